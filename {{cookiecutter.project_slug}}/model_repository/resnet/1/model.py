@@ -1,0 +1,34 @@
+"""Pixels -> logits with torchvision's ResNet; weights come from a file in this version directory."""
+
+from pathlib import Path
+
+import torch
+import triton_python_backend_utils as pb_utils
+
+from {{ cookiecutter.package_name }}.python_backend import Instance, error_response, to_triton
+from {{ cookiecutter.package_name }}.stages import Classifier
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.instance = Instance(args)
+        params = self.instance.parameters
+        weights = Path(args["model_repository"]) / args["model_version"] / params["weights_file"]
+        if not weights.is_file():
+            raise pb_utils.TritonModelException(
+                f"missing weights {weights}: run `{{ cookiecutter.project_slug }} weights pretrained` "
+                f"(downloads torchvision's) or `{{ cookiecutter.project_slug }} weights random` (offline)"
+            )
+        self.classifier = Classifier(params["variant"], weights, self.instance.device, self.instance.dtype("PIXELS"))
+
+    def execute(self, requests):
+        # One forward pass for every request the dynamic batcher gathered.
+        pixels = [self.instance.input(request, "PIXELS") for request in requests]
+        try:
+            logits = self.classifier(pixels[0] if len(pixels) == 1 else torch.cat(pixels))
+        except Exception as exc:
+            return [error_response(exc) for _ in requests]
+        return [
+            pb_utils.InferenceResponse([to_triton("LOGITS", part)])
+            for part in logits.split([p.shape[0] for p in pixels])
+        ]

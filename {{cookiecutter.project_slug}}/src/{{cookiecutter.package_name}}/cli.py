@@ -1,0 +1,94 @@
+"""`{{ cookiecutter.project_slug }}`: serve the model repository, classify images, write weights."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+REPOSITORY = Path("model_repository")
+
+
+def serve(args) -> int:
+    from .server import ServerSettings, TritonServer
+
+    server = TritonServer(container=args.container)
+    address = args.address or ("0.0.0.0" if server.container else "127.0.0.1")
+    server.settings = settings = ServerSettings(
+        args.model_repository, args.http_port, args.grpc_port, args.metrics_port, address=address
+    )
+    print(f"starting tritonserver on {settings.model_repository} (GPUs: {settings.gpus or 'none, CPU only'})")
+    server.start()
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    try:
+        server.wait_ready(args.timeout, progress=lambda s: print("models:", ", ".join(f"{k} {v}" for k, v in s.items())))
+        print(f"ready.  gRPC localhost:{settings.grpc_port}   HTTP http://localhost:{settings.http_port}"
+              f"   metrics http://localhost:{settings.metrics_port}/metrics   (Ctrl-C stops)")
+        return server.process.wait()
+    except KeyboardInterrupt:
+        print("stopping (in-flight requests finish first)...")
+        return server.stop() or 0
+    finally:
+        server.stop()
+
+
+def classify(args) -> int:
+    from .client import ImageClassifier
+
+    client = ImageClassifier(args.url, args.model)
+    images = [Path(p).read_bytes() for p in args.images]
+    for path, predictions in zip(args.images, client.classify(images)):
+        print(path)
+        for p in predictions:
+            print(f"  {p.score:7.4f}  {p.class_id:4d}  {p.label}")
+    return 0
+
+
+def weights(args) -> int:
+    from . import weights as w
+    from .model_repository import resnet_weights
+
+    variant, path = resnet_weights(args.model_repository)
+    if args.source == "pretrained":
+        w.export_pretrained(variant, path)
+    else:
+        w.write_random(variant, path, seed=args.seed)
+    print(f"wrote {args.source} {variant} weights to {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="{{ cookiecutter.project_slug }}", description=__doc__)
+    commands = parser.add_subparsers(required=True)
+
+    p = commands.add_parser("serve", help="run Triton on the model repository until Ctrl-C")
+    p.add_argument("--model-repository", type=Path, default=REPOSITORY)
+    p.add_argument("--http-port", type=int, default={{ cookiecutter.http_port }})
+    p.add_argument("--grpc-port", type=int, default={{ cookiecutter.grpc_port }})
+    p.add_argument("--metrics-port", type=int, default={{ cookiecutter.metrics_port }})
+    p.add_argument("--container", action=argparse.BooleanOptionalAction, default=None,
+                   help="use /opt/tritonserver (default: when it exists) instead of the nvidia-pytriton wheel")
+    p.add_argument("--address", help="listen address (default: 127.0.0.1 locally, 0.0.0.0 in the container)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds to wait for the models to load")
+    p.set_defaults(run=serve)
+
+    p = commands.add_parser("classify", help="send images over gRPC and print the top-k classes")
+    p.add_argument("images", nargs="+")
+    p.add_argument("--url", default="localhost:{{ cookiecutter.grpc_port }}")
+    p.add_argument("--model", default="pipeline", help="pipeline (BLS) or ensemble")
+    p.set_defaults(run=classify)
+
+    p = commands.add_parser("weights", help="write model_repository/resnet/1/weights.pt")
+    p.add_argument("source", choices=["pretrained", "random"],
+                   help="pretrained: torchvision's ImageNet weights (internet); random: deterministic, offline")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-repository", type=Path, default=REPOSITORY)
+    p.set_defaults(run=weights)
+
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

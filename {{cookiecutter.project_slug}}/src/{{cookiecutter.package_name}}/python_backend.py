@@ -1,0 +1,105 @@
+"""What every model.py shares: where the instance runs, zero-copy tensor handoff, BLS calls, errors.
+
+Only importable inside Triton's Python backend stub (it imports `triton_python_backend_utils`).
+The zero-copy rules live here, once:
+- tensors stay on the instance's own device (`model_instance_device_id`);
+- Triton tensors become torch tensors and back through DLPack, never `as_numpy()` (strings excepted);
+- a torch tensor handed to Triton stays referenced by the pb_utils.Tensor built from it, until the response
+  carrying it has been sent; nobody writes into a tensor received from another stage.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import triton_python_backend_utils as pb_utils
+from torch.utils.dlpack import from_dlpack
+
+from .stages import InvalidImage
+
+
+# Triton 2.51 drops the error code of a BLS response (has_error() answers INTERNAL for everything), so an
+# input error raised by one stage carries this prefix to keep INVALID_ARG on its way back to the client.
+INVALID_INPUT = "invalid input: "
+
+
+class StageError(Exception):
+    """A BLS call that answered with an error; keeps Triton's error code for the client."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+TORCH_DTYPES = {
+    "TYPE_FP32": torch.float32,
+    "TYPE_FP16": torch.float16,
+    "TYPE_BF16": torch.bfloat16,
+    "TYPE_INT64": torch.int64,
+}
+
+
+class Instance:
+    """One model instance: its config, its parameters and the device it owns."""
+
+    def __init__(self, args: dict):
+        self.config = json.loads(args["model_config"])
+        self.name = args["model_name"]
+        self.on_gpu = args["model_instance_kind"] == "GPU"
+        device_id = int(args["model_instance_device_id"])
+        self.device = torch.device("cuda", device_id) if self.on_gpu else torch.device("cpu")
+        if self.on_gpu:
+            torch.cuda.set_device(self.device)
+        memory = pb_utils.TRITONSERVER_MEMORY_GPU if self.on_gpu else pb_utils.TRITONSERVER_MEMORY_CPU
+        self.preferred_memory = pb_utils.PreferredMemory(memory, device_id if self.on_gpu else 0)
+        self.parameters = {k: v["string_value"] for k, v in self.config.get("parameters", {}).items()}
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The torch dtype the config declares for input or output `name`."""
+        for tensor in self.config["input"] + self.config["output"]:
+            if tensor["name"] == name:
+                return TORCH_DTYPES[tensor["data_type"]]
+        raise KeyError(f"{self.name} has no input or output named {name}")
+
+    def to_torch(self, tensor: pb_utils.Tensor) -> torch.Tensor:
+        """Zero-copy view of a Triton tensor, on this instance's device (copied only if it is elsewhere)."""
+        return from_dlpack(tensor.to_dlpack()).to(self.device)
+
+    def input(self, request, name: str) -> torch.Tensor:
+        return self.to_torch(pb_utils.get_input_tensor_by_name(request, name))
+
+    async def infer(self, model_name: str, inputs: list, outputs: list[str], timeout_us: int = 0) -> dict:
+        """One BLS call; returns {output name: pb_utils.Tensor}, raises StageError on failure.
+
+        Results land in this instance's memory (GPU or CPU) through `preferred_memory`.
+        """
+        request = pb_utils.InferenceRequest(
+            model_name=model_name,
+            inputs=inputs,
+            requested_output_names=outputs,
+            preferred_memory=self.preferred_memory,
+            timeout=timeout_us,
+        )
+        response = await request.async_exec()
+        if response.has_error():
+            message = response.error().message()
+            code = pb_utils.TritonError.INVALID_ARG if INVALID_INPUT in message else response.error().code()
+            raise StageError(f"{model_name}: {message}", code)
+        return {name: pb_utils.get_output_tensor_by_name(response, name) for name in outputs}
+
+
+def to_triton(name: str, tensor: torch.Tensor) -> pb_utils.Tensor:
+    """Hand a torch tensor to Triton without a copy. Passing the tensor itself (not a capsule) makes
+    pb_utils synchronize torch's current CUDA stream, so the data is complete when the next stage reads it."""
+    return pb_utils.Tensor.from_dlpack(name, tensor.contiguous())
+
+
+def error_response(exc: Exception) -> pb_utils.InferenceResponse:
+    """A per-request error: INVALID_ARG when the client sent something bad, the stage's own code otherwise."""
+    if isinstance(exc, StageError):
+        message, code = str(exc), exc.code
+    elif isinstance(exc, InvalidImage):
+        message, code = INVALID_INPUT + str(exc), pb_utils.TritonError.INVALID_ARG
+    else:
+        message, code = f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))

@@ -1,0 +1,191 @@
+"""Start the real Triton server, locally (the embedded default) or in the container, with one set of flags.
+
+Locally the server is `tritonserver` {{ cookiecutter.__triton_server_version }} from the `nvidia-pytriton` wheel: no Docker,
+no GPU needed. In the container it is the image's own /opt/tritonserver. Both get their flags from
+`server_flags()`, so what the tests exercise is what `docker compose up` deploys.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TRITON_RELEASE = "{{ cookiecutter.triton_version }}"
+MAX_BATCH_SIZE = {{ cookiecutter.max_batch_size }}
+CONTAINER_TRITONSERVER = Path("/opt/tritonserver")
+MiB = 1 << 20
+
+
+def visible_gpus() -> list[int]:
+    """GPU ids the server will see, without initializing CUDA in this process."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    count = sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
+    return list(range(count))
+
+
+def cuda_pool_bytes(max_batch_size: int = MAX_BATCH_SIZE) -> int:
+    """The CUDA memory pool per GPU. Every GPU tensor crossing a stub/server boundary goes through it,
+    so it must hold several of the largest ([max_batch, 3, 224, 224] FP32 pixels) at once."""
+    largest = max_batch_size * 3 * 224 * 224 * 4
+    return max(256 * MiB, -(-4 * largest // (64 * MiB)) * 64 * MiB)
+
+
+@dataclass
+class ServerSettings:
+    model_repository: Path = Path("model_repository")
+    http_port: int = {{ cookiecutter.http_port }}
+    grpc_port: int = {{ cookiecutter.grpc_port }}
+    metrics_port: int = {{ cookiecutter.metrics_port }}
+    # Loopback by default; the container listens on all interfaces and compose decides what is published.
+    address: str = "127.0.0.1"
+    gpus: list[int] = field(default_factory=visible_gpus)
+    exit_timeout_s: int = 30
+    log_verbose: int = 0
+
+
+def server_flags(settings: ServerSettings) -> list[str]:
+    """The tritonserver command-line flags: the one source of truth for local runs and the container."""
+    flags = [
+        f"--model-repository={Path(settings.model_repository).resolve()}",
+        f"--http-address={settings.address}",
+        f"--http-port={settings.http_port}",
+        f"--grpc-address={settings.address}",
+        f"--grpc-port={settings.grpc_port}",
+        f"--metrics-address={settings.address}",
+        f"--metrics-port={settings.metrics_port}",
+        "--model-control-mode=explicit",
+        "--load-model=*",
+        "--strict-readiness=true",
+        f"--exit-timeout-secs={settings.exit_timeout_s}",
+        f"--log-verbose={settings.log_verbose}",
+        # Each Python-backend stub talks to the server through a /dev/shm region that starts at this size.
+        f"--backend-config=python,shm-default-byte-size={16 * MiB}",
+        f"--backend-config=python,shm-growth-byte-size={16 * MiB}",
+    ]
+    flags += [f"--cuda-memory-pool-byte-size={gpu}:{cuda_pool_bytes()}" for gpu in settings.gpus]
+    return flags
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "{{ cookiecutter.project_slug }}"
+
+
+def local_tritonserver() -> tuple[Path, Path]:
+    """(tritonserver binary, backend directory) from the nvidia-pytriton wheel.
+
+    The wheel ships one Python-backend stub per Python version; the backend directory is a copy of the
+    wheel's with the stub for this interpreter in place.
+    """
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the local Triton comes from the nvidia-pytriton wheel: pip install -e '.[local]'")
+    home = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = home / "python_backend_stubs" / python / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise RuntimeError(f"nvidia-pytriton ships no Python-backend stub for Python {python}")
+    version = importlib.metadata.version("nvidia-pytriton")
+    backends = _cache_dir() / f"pytriton-{version}-py{python}" / "backends"
+    if not (backends / "python" / stub.name).is_file():
+        staging = backends.with_name(f"backends.{os.getpid()}")
+        shutil.copytree(home / "backends", staging, dirs_exist_ok=True)
+        shutil.copy2(stub, staging / "python" / stub.name)
+        try:
+            staging.rename(backends)
+        except OSError:  # another process won the race: use theirs
+            shutil.rmtree(staging, ignore_errors=True)
+    return home / "bin" / "tritonserver", backends
+
+
+def local_environment() -> dict[str, str]:
+    """The wheel's libraries and this interpreter's libpython for the server and its stubs; this venv's
+    `python3` first on PATH, which is how each stub's embedded Python finds this venv's site-packages."""
+    spec = importlib.util.find_spec("pytriton")
+    site = Path(next(iter(spec.submodule_search_locations))).parent
+    env = dict(os.environ)
+    libs = [str(site / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR") or ""]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([*libs, env.get("LD_LIBRARY_PATH", "")]).strip(os.pathsep)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+class TritonServer:
+    """A tritonserver process: start, wait until ready, stop. Usable as a context manager."""
+
+    def __init__(self, settings: ServerSettings | None = None, container: bool | None = None, log=None):
+        self.settings = settings or ServerSettings()
+        self.container = CONTAINER_TRITONSERVER.is_dir() if container is None else container
+        self.log = log
+        self.process: subprocess.Popen | None = None
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        if self.container:
+            binary, backends, env = CONTAINER_TRITONSERVER / "bin" / "tritonserver", None, dict(os.environ)
+        else:
+            (binary, backends), env = local_tritonserver(), local_environment()
+        flags = server_flags(self.settings)
+        if backends is not None:
+            flags.append(f"--backend-directory={backends}")
+        return [str(binary), *flags], env
+
+    def start(self) -> TritonServer:
+        argv, env = self.command()
+        self.process = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        return self
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.settings.grpc_port}"
+
+    def wait_ready(self, timeout_s: float = 300, progress=None) -> None:
+        """Block until every model is loaded; `progress(states)` is called whenever model states change."""
+        import tritonclient.grpc as grpcclient
+
+        client = grpcclient.InferenceServerClient(self.grpc_url)
+        deadline, last = time.monotonic() + timeout_s, None
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.process.returncode} before it was ready")
+            try:
+                index = client.get_model_repository_index(as_json=True).get("models", [])
+                states = {m["name"]: m.get("state", "UNAVAILABLE") for m in index}
+                if progress and states != last:
+                    progress(states)
+                last = states
+                if client.is_server_ready():
+                    return
+            except Exception:  # not listening yet
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s")
+
+    def stop(self) -> int | None:
+        """SIGTERM, then wait out the server's exit timeout (in-flight requests finish), then SIGKILL."""
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(self.settings.exit_timeout_s + 15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

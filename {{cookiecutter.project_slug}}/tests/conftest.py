@@ -1,0 +1,88 @@
+"""Fixtures: test images, a model repository with deterministic random weights, and a real tritonserver."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from tritonclient.grpc import model_config_pb2
+
+from {{ cookiecutter.package_name }}.client import ImageClassifier
+from {{ cookiecutter.package_name }}.model_repository import load_config, resnet_weights, top_k
+from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
+from {{ cookiecutter.package_name }}.stages import Reference
+from {{ cookiecutter.package_name }}.weights import write_random
+
+PROJECT = Path(__file__).resolve().parents[1]
+TRITON_DTYPES = {"TYPE_FP32": torch.float32, "TYPE_FP16": torch.float16, "TYPE_BF16": torch.bfloat16}
+
+
+def make_image(seed: int, size=(320, 240), mode="RGB", fmt="JPEG") -> bytes:
+    """A deterministic picture: smooth color gradients plus a few rectangles, so JPEG stays faithful."""
+    rng = np.random.default_rng(seed)
+    w, h = size
+    y, x = np.mgrid[0:h, 0:w] / max(w, h)
+    channels = [np.sin(2 * np.pi * (rng.uniform(0.5, 3) * x + rng.uniform(0.5, 3) * y + rng.uniform())) for _ in range(3)]
+    rgb = ((np.stack(channels, -1) + 1) * 127.5).astype(np.uint8)
+    for _ in range(4):
+        x0, y0 = rng.integers(0, w // 2), rng.integers(0, h // 2)
+        rgb[y0 : y0 + h // 3, x0 : x0 + w // 3] = rng.integers(0, 256, 3)
+    image = Image.fromarray(rgb).convert(mode)
+    out = io.BytesIO()
+    image.save(out, format=fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+    return out.getvalue()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def model_repository(tmp_path_factory) -> Path:
+    """A copy of the project's model repository with deterministic random ResNet weights."""
+    repo = tmp_path_factory.mktemp("triton") / "model_repository"
+    shutil.copytree(PROJECT / "model_repository", repo, ignore=shutil.ignore_patterns("weights.pt", "__pycache__"))
+    variant, weights = resnet_weights(repo)
+    write_random(variant, weights, seed=0)
+    return repo
+
+
+@pytest.fixture(scope="session")
+def reference(model_repository) -> Reference:
+    """The same stages and weights in-process on the CPU: what the server must answer."""
+    variant, weights = resnet_weights(model_repository)
+    pixels = next(o for o in load_config(model_repository / "preprocess").output if o.name == "PIXELS")
+    dtype = TRITON_DTYPES[model_config_pb2.DataType.Name(pixels.data_type)]
+    return Reference(variant, weights, top_k(model_repository), dtype=dtype)
+
+
+@pytest.fixture(scope="session")
+def server(model_repository, tmp_path_factory):
+    """A real tritonserver (the local runtime) on free loopback ports, serving every model."""
+    log_path = tmp_path_factory.mktemp("log") / "tritonserver.log"
+    settings = ServerSettings(
+        model_repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port()
+    )
+    with open(log_path, "w") as log, TritonServer(settings, container=False, log=log) as triton:
+        try:
+            triton.wait_ready(600)
+        except Exception:
+            print(log_path.read_text()[-5000:])
+            raise
+        yield triton
+    print(f"tritonserver log: {log_path}")
+
+
+@pytest.fixture
+def client(server):
+    classifier = ImageClassifier(server.grpc_url, "pipeline")
+    yield classifier
+    classifier.close()

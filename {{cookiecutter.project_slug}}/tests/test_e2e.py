@@ -1,0 +1,135 @@
+"""End to end over gRPC against a real tritonserver: the BLS pipeline, the ensemble and bad input."""
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+from conftest import make_image
+from tritonclient.utils import InferenceServerException
+
+from {{ cookiecutter.package_name }}.client import ImageClassifier
+from {{ cookiecutter.package_name }}.stages import imagenet_labels
+
+pytestmark = pytest.mark.e2e
+
+
+def tolerance(reference):
+    return 1e-4 if reference.preprocess.dtype == torch.float32 else 2e-2
+
+
+def assert_matches_reference(result, images, reference):
+    scores, class_ids = reference(images)
+    np.testing.assert_allclose(result.as_numpy("SCORES"), scores.numpy(), atol=tolerance(reference))
+    assert (result.as_numpy("CLASS_IDS")[:, 0] == class_ids[:, 0].numpy()).all()
+
+
+def send_raw(server, images: list[bytes], model="pipeline"):
+    batch = np.array([[image] for image in images], dtype=object)
+    inputs = [grpcclient.InferInput("IMAGE", list(batch.shape), "BYTES")]
+    inputs[0].set_data_from_numpy(batch)
+    with grpcclient.InferenceServerClient(server.grpc_url) as c:
+        return c.infer(model, inputs)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_one_image_matches_the_in_process_reference(client, reference, fmt):
+    image = make_image(10, fmt=fmt)
+    assert_matches_reference(client.infer([image]), [image], reference)
+
+
+def test_a_batch_answers_each_image_with_sorted_top_k_and_labels(client, reference):
+    images = [make_image(20 + i, size=(200 + 37 * i, 180 + 11 * i), fmt="PNG" if i % 3 else "JPEG") for i in range(8)]
+    result = client.infer(images)
+    assert_matches_reference(result, images, reference)
+    scores, class_ids, labels = (result.as_numpy(n) for n in ("SCORES", "CLASS_IDS", "LABELS"))
+    assert scores.shape == class_ids.shape == labels.shape == (8, reference.postprocess.top_k)
+    assert (np.diff(scores, axis=1) <= 0).all() and (scores > 0).all() and (scores.sum(1) <= 1 + 1e-5).all()
+    names = imagenet_labels()
+    assert [[label.decode() for label in row] for row in labels] == [[names[i] for i in row] for row in class_ids]
+
+
+def test_client_api_returns_predictions(client):
+    (predictions,) = client.classify([make_image(30)])
+    assert len(predictions) > 0 and predictions[0].label in imagenet_labels()
+    assert predictions == sorted(predictions, key=lambda p: -p.score)
+
+
+def test_concurrent_clients_each_get_their_own_answer(server, reference):
+    images = [make_image(40 + i) for i in range(6)]
+    expected = reference(images)[1][:, 0].tolist()
+
+    def worker(i):
+        classifier = ImageClassifier(server.grpc_url)
+        try:
+            return [classifier.classify([images[(i + n) % 6]])[0][0].class_id for n in range(5)]
+        finally:
+            classifier.close()
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(worker, range(8)))
+    assert answers == [[expected[(i + n) % 6] for n in range(5)] for i in range(8)]
+
+
+def test_pipeline_and_ensemble_answer_the_same(server, model_repository):
+    if not (model_repository / "ensemble").is_dir():
+        pytest.skip("this project was baked without the ensemble")
+    images = [make_image(50), make_image(51, fmt="PNG")]
+    bls, ens = send_raw(server, images, "pipeline"), send_raw(server, images, "ensemble")
+    for name in ("SCORES", "CLASS_IDS", "LABELS"):
+        np.testing.assert_array_equal(bls.as_numpy(name), ens.as_numpy(name))
+
+
+@pytest.mark.parametrize("mode, fmt", [("L", "PNG"), ("RGBA", "PNG"), ("CMYK", "JPEG"), ("L", "JPEG")])
+def test_grayscale_alpha_and_cmyk_are_served(client, reference, mode, fmt):
+    image = make_image(60, mode=mode, fmt=fmt)
+    assert_matches_reference(client.infer([image]), [image], reference)
+
+
+BAD_IMAGES = {
+    "not-an-image": b"this is plain text, not an image",
+    "empty": b"",
+    "truncated-header": make_image(70)[:40],
+}
+
+
+@pytest.mark.parametrize("model", ["pipeline", "ensemble"])
+@pytest.mark.parametrize("name", list(BAD_IMAGES))
+def test_bad_image_gets_invalid_argument_and_the_server_stays_ready(server, model_repository, model, name):
+    if not (model_repository / model).is_dir():
+        pytest.skip(f"no {model} in this project")
+    with pytest.raises(InferenceServerException) as error:
+        send_raw(server, [make_image(71), BAD_IMAGES[name]], model)
+    assert error.value.status() == "StatusCode.INVALID_ARGUMENT"
+    with grpcclient.InferenceServerClient(server.grpc_url) as c:
+        assert c.is_server_ready() and c.is_model_ready(model)
+    send_raw(server, [make_image(72)], model)  # and it still serves
+
+
+def test_a_bad_request_fails_alone_while_concurrent_good_ones_succeed(server, reference):
+    good = [make_image(80 + i) for i in range(4)]
+    expected = reference(good)[1][:, 0].tolist()
+
+    def send(i):
+        try:
+            result = send_raw(server, [good[i % 4]] if i % 5 else [b"bad bytes"])
+            return int(result.as_numpy("CLASS_IDS")[0, 0])
+        except InferenceServerException as exc:
+            return exc.status()
+
+    with ThreadPoolExecutor(10) as pool:
+        answers = list(pool.map(send, range(40)))
+    assert answers == [expected[i % 4] if i % 5 else "StatusCode.INVALID_ARGUMENT" for i in range(40)]
+
+
+def test_cli_classify_prints_top_k(server, tmp_path):
+    path = tmp_path / "cat.jpg"
+    path.write_bytes(make_image(90))
+    cli = [sys.executable, "-m", "{{ cookiecutter.package_name }}.cli", "classify", str(path), "--url", server.grpc_url]
+    out = subprocess.run(cli, capture_output=True, text=True, timeout=120, check=True).stdout
+    lines = out.splitlines()
+    assert lines[0] == str(path)
+    assert lines[1].split()[2] in " ".join(imagenet_labels())

@@ -1,0 +1,129 @@
+"""The stage code as plain PyTorch, without Triton."""
+
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_image
+from PIL import Image
+
+from {{ cookiecutter.package_name }}.model_repository import load_config, resnet_weights, top_k
+from {{ cookiecutter.package_name }}.stages import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    Classifier,
+    InvalidImage,
+    Postprocess,
+    Preprocess,
+    imagenet_labels,
+    inspect_image,
+)
+from {{ cookiecutter.package_name }}.weights import write_random
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that is all header: it claims width x height pixels and holds none."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"", "empty image"),
+        (b"GIF89a not what we take", "not a JPEG or PNG"),
+        (png_header(30000, 30000), "too large"),
+        (png_header(8000, 6000), "too large"),
+    ],
+    ids=["empty", "not-an-image", "bomb-30000x30000", "over-limit"],
+)
+def test_inspect_rejects_before_decoding(data, message):
+    with pytest.raises(InvalidImage, match=message):
+        inspect_image(data, max_pixels=40_000_000)
+
+
+def test_inspect_reads_format_and_size():
+    assert inspect_image(make_image(0, (64, 48), fmt="PNG"), 10**6) == ("PNG", 64, 48)
+    assert inspect_image(make_image(0, (64, 48)), 10**6) == ("JPEG", 64, 48)
+
+
+def test_preprocess_normalizes_a_uniform_image_exactly():
+    out = io.BytesIO()
+    Image.new("RGB", (300, 260), (128, 128, 128)).save(out, format="PNG")
+    pixels = Preprocess()([out.getvalue()])
+    assert pixels.shape == (1, 3, 224, 224) and pixels.dtype == torch.float32
+    expected = (128 / 255 - torch.tensor(IMAGENET_MEAN)) / torch.tensor(IMAGENET_STD)
+    torch.testing.assert_close(pixels[0, :, 100, 100], expected)
+
+
+@pytest.mark.parametrize("mode", ["L", "RGBA", "P", "CMYK", "I;16"])
+def test_preprocess_converts_every_mode_to_rgb(mode):
+    fmt = "JPEG" if mode == "CMYK" else "PNG"
+    pixels = Preprocess()([make_image(1, mode=mode, fmt=fmt)])
+    assert pixels.shape == (1, 3, 224, 224)
+    assert torch.isfinite(pixels).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_preprocess_casts_to_the_configured_precision(dtype):
+    assert Preprocess(dtype=dtype)([make_image(2)]).dtype == dtype
+
+
+def test_batch_isolates_a_bad_group():
+    good, bad = [make_image(3), make_image(4, fmt="PNG")], [make_image(5), b"garbage"]
+    results = Preprocess().batch([good, bad, [make_image(6)]])
+    assert results[0].shape == (2, 3, 224, 224) and results[2].shape == (1, 3, 224, 224)
+    assert isinstance(results[1], InvalidImage)
+    # the good groups get the very pixels they would get alone
+    torch.testing.assert_close(results[0], Preprocess()(good))
+
+
+def test_truncated_jpeg_is_invalid_or_decodes_to_its_header_size():
+    data = make_image(7)
+    try:
+        pixels = Preprocess()([data[: len(data) // 3]])
+    except InvalidImage:
+        return
+    assert pixels.shape == (1, 3, 224, 224)
+
+
+def test_postprocess_top_k_is_sorted_probabilities_with_labels():
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
+    post = Postprocess(top_k=5)
+    scores, class_ids = post(logits)
+    assert scores.shape == class_ids.shape == (4, 5)
+    assert (scores[:, :-1] >= scores[:, 1:]).all()
+    torch.testing.assert_close(scores[:, 0], torch.softmax(logits, 1).max(1).values)
+    labels = post.label(class_ids)
+    assert labels.shape == (4, 5)
+    assert labels[0, 0].decode() == imagenet_labels()[class_ids[0, 0]]
+
+
+def test_imagenet_labels():
+    labels = imagenet_labels()
+    assert len(labels) == 1000 and labels[0] == "tench"
+
+
+def test_random_weights_are_deterministic_and_load(tmp_path):
+    a, b = write_random("resnet18", tmp_path / "a.pt", seed=3), write_random("resnet18", tmp_path / "b.pt", seed=3)
+    sa, sb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    logits = Classifier("resnet18", a)(Preprocess()([make_image(8)]))
+    assert logits.shape == (1, 1000) and logits.dtype == torch.float32
+
+
+def test_model_repository_configs_parse_and_agree(model_repository):
+    variant, weights = resnet_weights(model_repository)
+    assert variant.startswith("resnet") and weights.is_file()
+    assert top_k(model_repository) == load_config(model_repository / "pipeline").output[0].dims[0]
+    for name in ("preprocess", "resnet", "postprocess", "pipeline"):
+        config = load_config(model_repository / name)
+        assert config.name == name and config.max_batch_size > 0
+        assert np.isin(["FORCE_CPU_ONLY_INPUT_TENSORS"], list(config.parameters)).all()
