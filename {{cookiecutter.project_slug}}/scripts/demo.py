@@ -1,0 +1,51 @@
+"""Start the local Triton on the model repository, classify a few generated images over gRPC, stop."""
+
+import io
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from {{ cookiecutter.package_name }}.client import ImageClassifier
+from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
+
+
+def sample_images() -> dict[str, bytes]:
+    """Two synthetic pictures (a JPEG and a PNG): no dataset download needed."""
+    y, x = np.mgrid[0:240, 0:320] / 320
+    samples = {}
+    for name, fmt, freq in (("waves.jpg", "JPEG", 3), ("stripes.png", "PNG", 9)):
+        rgb = ((np.stack([np.sin(freq * x), np.cos(freq * y), np.sin(freq * (x + y))], -1) + 1) * 127.5).astype(np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(rgb).save(buffer, format=fmt)
+        samples[name] = buffer.getvalue()
+    return samples
+
+
+def main() -> int:
+    settings = ServerSettings()
+    with tempfile.TemporaryFile("w+") as log, TritonServer(settings, log=log) as server:
+        print(f"starting tritonserver on {settings.model_repository} ...")
+        try:
+            server.wait_ready(600, progress=lambda s: print("  models:", ", ".join(f"{k} {v}" for k, v in s.items())))
+        except Exception:
+            log.seek(0)
+            print(log.read()[-4000:], file=sys.stderr)
+            raise
+        images = sample_images()
+        for model in ("pipeline", "ensemble"):
+            if not (Path(settings.model_repository) / model).is_dir():
+                continue
+            client = ImageClassifier(server.grpc_url, model)
+            print(f"\n{model} over gRPC at {server.grpc_url}:")
+            for name, predictions in zip(images, client.classify(list(images.values()))):
+                print(f"  {name}: " + ", ".join(f"{p.label} {p.score:.3f}" for p in predictions))
+            client.close()
+        print("\nstopping tritonserver")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
