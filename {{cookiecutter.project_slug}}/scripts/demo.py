@@ -17,7 +17,9 @@ def sample_images() -> dict[str, bytes]:
     y, x = np.mgrid[0:240, 0:320] / 320
     samples = {}
     for name, fmt, freq in (("waves.jpg", "JPEG", 3), ("stripes.png", "PNG", 9)):
-        rgb = ((np.stack([np.sin(freq * x), np.cos(freq * y), np.sin(freq * (x + y))], -1) + 1) * 127.5).astype(np.uint8)
+        rgb = ((np.stack([np.sin(freq * x), np.cos(freq * y), np.sin(freq * (x + y))], -1) + 1) * 127.5).astype(
+            np.uint8
+        )
         buffer = io.BytesIO()
         Image.fromarray(rgb).save(buffer, format=fmt)
         samples[name] = buffer.getvalue()

@@ -28,7 +28,9 @@ def make_image(seed: int, size=(320, 240), mode="RGB", fmt="JPEG") -> bytes:
     rng = np.random.default_rng(seed)
     w, h = size
     y, x = np.mgrid[0:h, 0:w] / max(w, h)
-    channels = [np.sin(2 * np.pi * (rng.uniform(0.5, 3) * x + rng.uniform(0.5, 3) * y + rng.uniform())) for _ in range(3)]
+    channels = [
+        np.sin(2 * np.pi * (rng.uniform(0.5, 3) * x + rng.uniform(0.5, 3) * y + rng.uniform())) for _ in range(3)
+    ]
     rgb = ((np.stack(channels, -1) + 1) * 127.5).astype(np.uint8)
     for _ in range(4):
         x0, y0 = rng.integers(0, w // 2), rng.integers(0, h // 2)
@@ -68,9 +70,7 @@ def reference(model_repository) -> Reference:
 def server(model_repository, tmp_path_factory):
     """A real tritonserver (the local runtime) on free loopback ports, serving every model."""
     log_path = tmp_path_factory.mktemp("log") / "tritonserver.log"
-    settings = ServerSettings(
-        model_repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port()
-    )
+    settings = ServerSettings(model_repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     with open(log_path, "w") as log, TritonServer(settings, container=False, log=log) as triton:
         try:
             triton.wait_ready(600)

@@ -22,9 +22,13 @@ def serve(args) -> int:
     server.start()
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     try:
-        server.wait_ready(args.timeout, progress=lambda s: print("models:", ", ".join(f"{k} {v}" for k, v in s.items())))
-        print(f"ready.  gRPC localhost:{settings.grpc_port}   HTTP http://localhost:{settings.http_port}"
-              f"   metrics http://localhost:{settings.metrics_port}/metrics   (Ctrl-C stops)")
+        server.wait_ready(
+            args.timeout, progress=lambda s: print("models:", ", ".join(f"{k} {v}" for k, v in s.items()))
+        )
+        print(
+            f"ready.  gRPC localhost:{settings.grpc_port}   HTTP http://localhost:{settings.http_port}"
+            f"   metrics http://localhost:{settings.metrics_port}/metrics   (Ctrl-C stops)"
+        )
         return server.process.wait()
     except KeyboardInterrupt:
         print("stopping (in-flight requests finish first)...")
@@ -67,8 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http-port", type=int, default={{ cookiecutter.http_port }})
     p.add_argument("--grpc-port", type=int, default={{ cookiecutter.grpc_port }})
     p.add_argument("--metrics-port", type=int, default={{ cookiecutter.metrics_port }})
-    p.add_argument("--container", action=argparse.BooleanOptionalAction, default=None,
-                   help="use /opt/tritonserver (default: when it exists) instead of the nvidia-pytriton wheel")
+    p.add_argument(
+        "--container",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="use /opt/tritonserver (default: when it exists) instead of the nvidia-pytriton wheel",
+    )
     p.add_argument("--address", help="listen address (default: 127.0.0.1 locally, 0.0.0.0 in the container)")
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait for the models to load")
     p.set_defaults(run=serve)
@@ -80,8 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(run=classify)
 
     p = commands.add_parser("weights", help="write model_repository/resnet/1/weights.pt")
-    p.add_argument("source", choices=["pretrained", "random"],
-                   help="pretrained: torchvision's ImageNet weights (internet); random: deterministic, offline")
+    p.add_argument(
+        "source",
+        choices=["pretrained", "random"],
+        help="pretrained: torchvision's ImageNet weights (internet); random: deterministic, offline",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-repository", type=Path, default=REPOSITORY)
     p.set_defaults(run=weights)

@@ -37,7 +37,7 @@ class ImageClassifier:
         result = self.infer(images)
         scores, class_ids, labels = (result.as_numpy(n) for n in ("SCORES", "CLASS_IDS", "LABELS"))
         return [
-            [Prediction(int(c), l.decode(), float(s)) for s, c, l in zip(*row)]
+            [Prediction(int(class_id), label.decode(), float(score)) for score, class_id, label in zip(*row)]
             for row in zip(scores, class_ids, labels)
         ]
 

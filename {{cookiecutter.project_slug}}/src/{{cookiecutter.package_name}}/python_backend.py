@@ -18,7 +18,6 @@ from torch.utils.dlpack import from_dlpack
 
 from .stages import InvalidImage
 
-
 # Triton 2.51 drops the error code of a BLS response (has_error() answers INTERNAL for everything), so an
 # input error raised by one stage carries this prefix to keep INVALID_ARG on its way back to the client.
 INVALID_INPUT = "invalid input: "
@@ -30,6 +29,7 @@ class StageError(Exception):
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
+
 
 TORCH_DTYPES = {
     "TYPE_FP32": torch.float32,

@@ -36,11 +36,15 @@ class TritonPythonModel:
                 responses.append(error_response(p))
                 continue
             end = start + p.shape[0]
-            responses.append(pb_utils.InferenceResponse([
-                to_triton("SCORES", outputs["SCORES"][start:end]),
-                to_triton("CLASS_IDS", outputs["CLASS_IDS"][start:end]),
-                pb_utils.Tensor("LABELS", outputs["LABELS"][start:end]),
-            ]))
+            responses.append(
+                pb_utils.InferenceResponse(
+                    [
+                        to_triton("SCORES", outputs["SCORES"][start:end]),
+                        to_triton("CLASS_IDS", outputs["CLASS_IDS"][start:end]),
+                        pb_utils.Tensor("LABELS", outputs["LABELS"][start:end]),
+                    ]
+                )
+            )
             start = end
         return responses
 

@@ -29,7 +29,8 @@ class TritonPythonModel:
         except Exception as exc:  # a failure of the batch itself, not of one image
             return [error_response(exc) for _ in requests]
         return [
-            error_response(pixels) if isinstance(pixels, Exception)
+            error_response(pixels)
+            if isinstance(pixels, Exception)
             else pb_utils.InferenceResponse([to_triton("PIXELS", pixels)])
             for pixels in results
         ]

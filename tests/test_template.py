@@ -1,0 +1,181 @@
+"""Bake the template: the exact tree, nothing unrendered, valid configs, validated answers, hostile input."""
+
+from __future__ import annotations
+
+import json
+import os
+import py_compile
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from conftest import bake
+from cookiecutter.exceptions import FailedHookException
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+EXPECTED_TREE = sorted(
+    """
+.gitignore
+Makefile
+README.md
+model_repository/ensemble/1/.gitkeep
+model_repository/ensemble/config.pbtxt
+model_repository/pipeline/1/model.py
+model_repository/pipeline/config.pbtxt
+model_repository/postprocess/1/model.py
+model_repository/postprocess/config.pbtxt
+model_repository/preprocess/1/model.py
+model_repository/preprocess/config.pbtxt
+model_repository/resnet/1/model.py
+model_repository/resnet/config.pbtxt
+pyproject.toml
+scripts/demo.py
+src/image_classifier/__init__.py
+src/image_classifier/cli.py
+src/image_classifier/client.py
+src/image_classifier/model_repository.py
+src/image_classifier/python_backend.py
+src/image_classifier/server.py
+src/image_classifier/stages.py
+src/image_classifier/weights.py
+tests/conftest.py
+tests/test_e2e.py
+tests/test_gpu.py
+tests/test_stages.py
+""".split()
+)
+
+# Supported option combinations, each baked and checked by id.
+COMBINATIONS = {
+    "default": {},
+    "resnet18-fp16-no-ensemble": {"resnet_variant": "resnet18", "precision": "fp16", "include_ensemble": False},
+    "resnet152-bf16-batch1-top1": {"resnet_variant": "resnet152", "precision": "bf16", "max_batch_size": 1, "top_k": 1},
+    "resnet34-batch1024-top1000": {"resnet_variant": "resnet34", "max_batch_size": 1024, "top_k": 1000},
+    "custom-names-and-ports": {
+        "project_name": "Cat Detector",
+        "package_name": "catdet",
+        "http_port": 9000,
+        "grpc_port": 9001,
+        "metrics_port": 9002,
+    },
+}
+
+UNRENDERED = re.compile(r"\{\{\s*cookiecutter|\{%|%\}|cookiecutter\.")
+
+
+def tree(project: Path) -> list[str]:
+    return sorted(str(p.relative_to(project)) for p in project.rglob("*") if p.is_file())
+
+
+def model_config(project: Path, model: str) -> model_config_pb2.ModelConfig:
+    text = (project / "model_repository" / model / "config.pbtxt").read_text()
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+def test_default_bake_has_exactly_the_expected_tree(default_project):
+    assert default_project.name == "image-classifier"
+    assert tree(default_project) == EXPECTED_TREE
+
+
+@pytest.mark.parametrize("answers", COMBINATIONS.values(), ids=COMBINATIONS.keys())
+def test_every_combination_bakes_completely(baker, answers):
+    project = baker(**answers)
+    files = tree(project)
+    assert all("{{" not in f and "}}" not in f for f in files)
+    for name in files:
+        text = (project / name).read_text()
+        assert not UNRENDERED.search(text), f"{name} has unrendered template text"
+    for name in files:
+        if name.endswith(".py"):
+            py_compile.compile(str(project / name), doraise=True)
+    assert tomllib.loads((project / "pyproject.toml").read_text())["project"]["name"] == project.name
+    ensemble = answers.get("include_ensemble", True)
+    assert (project / "model_repository" / "ensemble").is_dir() == ensemble
+
+
+@pytest.mark.parametrize("answers", COMBINATIONS.values(), ids=COMBINATIONS.keys())
+def test_every_config_is_a_valid_model_config_with_the_answers(baker, answers):
+    project = baker(**answers)
+    context = json.loads((Path(__file__).parents[1] / "cookiecutter.json").read_text()) | answers
+    batch, top_k = int(context["max_batch_size"]), int(context["top_k"])
+    precision = answers.get("precision", "fp32")
+    models = sorted(p.name for p in (project / "model_repository").iterdir())
+    for model in models:
+        config = model_config(project, model)
+        assert config.name == model and config.max_batch_size == batch
+    pixels = model_config(project, "preprocess").output[0]
+    assert model_config_pb2.DataType.Name(pixels.data_type) == f"TYPE_{precision.upper()}"
+    variant = answers.get("resnet_variant", "resnet50")
+    assert model_config(project, "resnet").parameters["variant"].string_value == variant
+    for entry in ("pipeline", "ensemble") if "ensemble" in models else ("pipeline",):
+        config = model_config(project, entry)
+        outputs = {o.name: (model_config_pb2.DataType.Name(o.data_type), list(o.dims)) for o in config.output}
+        assert outputs == {
+            "SCORES": ("TYPE_FP32", [top_k]),
+            "CLASS_IDS": ("TYPE_INT64", [top_k]),
+            "LABELS": ("TYPE_STRING", [top_k]),
+        }
+
+
+@pytest.mark.parametrize("answers", COMBINATIONS.values(), ids=COMBINATIONS.keys())
+def test_generated_code_passes_ruff(baker, answers):
+    project = baker(**answers)
+    for args in (["check"], ["format", "--check"]):
+        result = subprocess.run([sys.executable, "-m", "ruff", *args, "."], cwd=project, capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+INVALID = {
+    "slug-with-spaces": ({"project_slug": "my project"}, "project_slug 'my project' must be lowercase"),
+    "package-keyword": ({"package_name": "class"}, "package_name 'class' must be a lowercase Python identifier"),
+    "package-not-identifier": ({"package_name": "1pkg"}, "package_name '1pkg' must be"),
+    "package-shadows-torch": ({"package_name": "torch"}, "would shadow the module"),
+    "package-shadows-stdlib": ({"package_name": "json"}, "would shadow the module"),
+    "batch-zero": ({"max_batch_size": 0}, "max_batch_size must be from 1 to 1024, got 0"),
+    "batch-too-big": ({"max_batch_size": 4096}, "max_batch_size must be from 1 to 1024"),
+    "batch-not-a-number": ({"max_batch_size": "lots"}, "max_batch_size must be a whole number"),
+    "top-k-over-classes": ({"top_k": 1001}, "top_k must be from 1 to 1000"),
+    "unsupported-triton": ({"triton_version": "23.01"}, "triton_version '23.01' is not supported"),
+    "same-ports": ({"grpc_port": 8000}, "three different ports"),
+    "port-out-of-range": ({"metrics_port": 70000}, "metrics_port must be from 1024 to 65535"),
+}
+
+
+@pytest.mark.parametrize("answers, message", INVALID.values(), ids=INVALID.keys())
+def test_invalid_answers_fail_with_the_hooks_message(baker, capfd, tmp_path, answers, message):
+    with pytest.raises(FailedHookException):
+        baker(**answers)
+    err = capfd.readouterr().err
+    assert any(line.startswith("ERROR: ") and message in line for line in err.splitlines()), err
+    assert not any(tmp_path.iterdir()), "nothing is generated for invalid answers"
+
+
+def test_hostile_text_bakes_safely(baker):
+    hostile = "Bob's \"Quoted\" \\ Classifier ünï $HOME `id`"
+    project = baker(project_name=hostile, description=hostile + " desc", author_name=hostile)
+    assert project.name == "bob-s-quoted-classifier-uni-home-id"
+    meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
+    assert meta["description"] == hostile + " desc"
+    assert meta["authors"] == [{"name": hostile}]
+    for path in project.rglob("*.py"):
+        py_compile.compile(str(path), doraise=True)
+    assert hostile in (project / "README.md").read_text()
+
+
+def test_baked_default_project_passes_its_own_test_suite(tmp_path):
+    """The baked project's unit and end-to-end tests, against a real local tritonserver on this machine."""
+    project = bake(tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(project / "src"))
+    env.pop("PYTEST_ADDOPTS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"],
+        cwd=project, env=env, capture_output=True, text=True, timeout=1800,
+    )
+    print(result.stdout[-6000:], result.stderr[-3000:])
+    assert result.returncode == 0
+    summary = result.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary
