@@ -17,8 +17,9 @@ $(BIN)/activate: requirements.txt
 demo: $(BIN)/activate ## bake the default project into build/demo, write random weights, serve it on the local Triton, classify
 	rm -rf $(DEMO)
 	$(BIN)/cookiecutter --no-input --output-dir $(dir $(DEMO)) .
-	cd $(DEMO) && PATH=$(CURDIR)/$(BIN):$$PATH PYTHONPATH=src python -m image_classifier.cli weights random
-	cd $(DEMO) && PATH=$(CURDIR)/$(BIN):$$PATH PYTHONPATH=src python scripts/demo.py
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e $(DEMO)
+	cd $(DEMO) && PATH=$(CURDIR)/$(BIN):$$PATH image-classifier weights random
+	cd $(DEMO) && PATH=$(CURDIR)/$(BIN):$$PATH python scripts/demo.py
 
 test: $(BIN)/activate ## template tests: bakes, hooks, configs, and the baked project's suite against a real Triton
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/pytest

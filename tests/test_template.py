@@ -169,8 +169,12 @@ def test_hostile_text_bakes_safely(baker):
 def test_baked_default_project_passes_its_own_test_suite(tmp_path):
     """The baked project's unit and end-to-end tests, against a real local tritonserver on this machine."""
     project = bake(tmp_path)
-    env = dict(os.environ, PYTHONPATH=str(project / "src"))
-    env.pop("PYTEST_ADDOPTS", None)
+    # Triton's Python-backend stubs import the package from this interpreter's site-packages (PYTHONPATH does
+    # not reach them), so the baked project is installed, as its own Makefile would.
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(project)]
+    subprocess.run(pip, check=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"],
         cwd=project, env=env, capture_output=True, text=True, timeout=1800,

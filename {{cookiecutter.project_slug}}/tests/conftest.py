@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import shutil
 import socket
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +41,16 @@ def make_image(seed: int, size=(320, 240), mode="RGB", fmt="JPEG") -> bytes:
     out = io.BytesIO()
     image.save(out, format=fmt, **({"quality": 95} if fmt == "JPEG" else {}))
     return out.getvalue()
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that is all header: it claims width x height pixels and holds none."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
 
 
 def free_port() -> int:

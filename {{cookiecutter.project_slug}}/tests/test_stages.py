@@ -1,13 +1,11 @@
 """The stage code as plain PyTorch, without Triton."""
 
 import io
-import struct
-import zlib
 
 import numpy as np
 import pytest
 import torch
-from conftest import make_image
+from conftest import make_image, png_header
 from PIL import Image
 
 from {{ cookiecutter.package_name }}.model_repository import load_config, resnet_weights, top_k
@@ -22,16 +20,6 @@ from {{ cookiecutter.package_name }}.stages import (
     inspect_image,
 )
 from {{ cookiecutter.package_name }}.weights import write_random
-
-
-def png_header(width: int, height: int) -> bytes:
-    """A PNG that is all header: it claims width x height pixels and holds none."""
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ REPOSITORY = Path("model_repository")
 
 
 def serve(args) -> int:
+    from .health import StubWatchdog
     from .server import ServerSettings, TritonServer
 
     server = TritonServer(container=args.container)
@@ -29,12 +31,26 @@ def serve(args) -> int:
             f"ready.  gRPC localhost:{settings.grpc_port}   HTTP http://localhost:{settings.http_port}"
             f"   metrics http://localhost:{settings.metrics_port}/metrics   (Ctrl-C stops)"
         )
+        if not os.environ.get("TRITON_ADMIN_KEY"):
+            print(f"admin APIs (model load/unload, statistics, ...) need the key {settings.admin_key}")
+        watchdog = StubWatchdog(server.grpc_url, settings.admin_headers, interval_s=args.watchdog_interval)
+        if args.watchdog_interval > 0:
+            watchdog.start()
         return server.process.wait()
     except KeyboardInterrupt:
         print("stopping (in-flight requests finish first)...")
         return server.stop() or 0
     finally:
         server.stop()
+
+
+def health(args) -> int:
+    """Exit 0 only if the server is ready and the pipeline answers a real request (a dead stub fails it)."""
+    from .health import probe
+
+    error = probe(args.url, args.model, timeout_s=args.timeout)
+    print(f"unhealthy: {error}" if error else "healthy")
+    return 1 if error else 0
 
 
 def classify(args) -> int:
@@ -79,7 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--address", help="listen address (default: 127.0.0.1 locally, 0.0.0.0 in the container)")
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait for the models to load")
+    p.add_argument(
+        "--watchdog-interval", type=float, default=10, help="seconds between stub health probes (0: no watchdog)"
+    )
     p.set_defaults(run=serve)
+
+    p = commands.add_parser("health", help="one small real inference; exit 0 if it is answered")
+    p.add_argument("--url", default="localhost:{{ cookiecutter.grpc_port }}")
+    p.add_argument("--model", default="pipeline")
+    p.add_argument("--timeout", type=float, default=30)
+    p.set_defaults(run=health)
 
     p = commands.add_parser("classify", help="send images over gRPC and print the top-k classes")
     p.add_argument("images", nargs="+")
@@ -98,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(run=weights)
 
     args = parser.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # progress shows up at once, also in container logs
     return args.run(args)
 
 

@@ -31,6 +31,8 @@ class StageError(Exception):
         self.code = code
 
 
+HOST_MEMORY = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
+
 TORCH_DTYPES = {
     "TYPE_FP32": torch.float32,
     "TYPE_FP16": torch.float16,
@@ -68,16 +70,20 @@ class Instance:
     def input(self, request, name: str) -> torch.Tensor:
         return self.to_torch(pb_utils.get_input_tensor_by_name(request, name))
 
-    async def infer(self, model_name: str, inputs: list, outputs: list[str], timeout_us: int = 0) -> dict:
+    async def infer(
+        self, model_name: str, inputs: list, outputs: list[str], timeout_us: int = 0, on_host: bool = False
+    ) -> dict:
         """One BLS call; returns {output name: pb_utils.Tensor}, raises StageError on failure.
 
-        Results land in this instance's memory (GPU or CPU) through `preferred_memory`.
+        Results land in this instance's memory (GPU or CPU) through `preferred_memory`, or in host memory with
+        `on_host`: for string outputs (with GPU preferred memory Triton puts them on the GPU too, where
+        `as_numpy()` cannot read them) and for results that only go back to the client anyway.
         """
         request = pb_utils.InferenceRequest(
             model_name=model_name,
             inputs=inputs,
             requested_output_names=outputs,
-            preferred_memory=self.preferred_memory,
+            preferred_memory=HOST_MEMORY if on_host else self.preferred_memory,
             timeout=timeout_us,
         )
         response = await request.async_exec()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,9 @@ TRITON_RELEASE = "{{ cookiecutter.triton_version }}"
 MAX_BATCH_SIZE = {{ cookiecutter.max_batch_size }}
 CONTAINER_TRITONSERVER = Path("/opt/tritonserver")
 MiB = 1 << 20
+# Admin APIs that need the key; health, metadata and inference stay open. Clients send it as the header
+# `admin-key` over HTTP and `triton-grpc-protocol-admin-key` over gRPC.
+RESTRICTED_APIS = "model-repository,shared-memory,statistics,trace,logging"
 
 
 def visible_gpus() -> list[int]:
@@ -55,6 +59,18 @@ class ServerSettings:
     gpus: list[int] = field(default_factory=visible_gpus)
     exit_timeout_s: int = 30
     log_verbose: int = 0
+    # The key for the admin APIs: $TRITON_ADMIN_KEY, else a new random one per server.
+    admin_key: str = field(default_factory=lambda: os.environ.get("TRITON_ADMIN_KEY") or secrets.token_urlsafe(16))
+    # Names this server's /dev/shm regions (one per Python-backend stub), so leaks can be traced to it.
+    shm_prefix: str = field(default_factory=lambda: f"{{ cookiecutter.package_name }}_{secrets.token_hex(4)}_")
+    # The models clients call. Stopping unloads these first, so their in-flight requests (and the BLS calls
+    # they still have to make) finish before the server stops taking requests.
+    entry_models: tuple[str, ...] = ("pipeline", "ensemble")
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """gRPC headers that open the admin APIs."""
+        return {"triton-grpc-protocol-admin-key": self.admin_key}
 
 
 def server_flags(settings: ServerSettings) -> list[str]:
@@ -75,6 +91,9 @@ def server_flags(settings: ServerSettings) -> list[str]:
         # Each Python-backend stub talks to the server through a /dev/shm region that starts at this size.
         f"--backend-config=python,shm-default-byte-size={16 * MiB}",
         f"--backend-config=python,shm-growth-byte-size={16 * MiB}",
+        f"--backend-config=python,shm-region-prefix-name={settings.shm_prefix}",
+        f"--grpc-restricted-protocol={RESTRICTED_APIS}:admin-key={settings.admin_key}",
+        f"--http-restricted-api={RESTRICTED_APIS}:admin-key={settings.admin_key}",
     ]
     flags += [f"--cuda-memory-pool-byte-size={gpu}:{cuda_pool_bytes()}" for gpu in settings.gpus]
     return flags
@@ -84,12 +103,22 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "{{ cookiecutter.project_slug }}"
 
 
+def triton_home() -> Path | None:
+    """$TRITONSERVER_HOME: your own tritonserver tree (bin/tritonserver, backends/ with the Python backend
+    and its stub for this interpreter already in place), used as is instead of the nvidia-pytriton wheel."""
+    home = os.environ.get("TRITONSERVER_HOME")
+    return Path(home) if home else None
+
+
 def local_tritonserver() -> tuple[Path, Path]:
-    """(tritonserver binary, backend directory) from the nvidia-pytriton wheel.
+    """(tritonserver binary, backend directory): $TRITONSERVER_HOME's, else the nvidia-pytriton wheel's.
 
     The wheel ships one Python-backend stub per Python version; the backend directory is a copy of the
     wheel's with the stub for this interpreter in place.
     """
+    home = triton_home()
+    if home is not None:
+        return home / "bin" / "tritonserver", home / "backends"
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("the local Triton comes from the nvidia-pytriton wheel: pip install -e '.[local]'")
@@ -114,10 +143,15 @@ def local_tritonserver() -> tuple[Path, Path]:
 def local_environment() -> dict[str, str]:
     """The wheel's libraries and this interpreter's libpython for the server and its stubs; this venv's
     `python3` first on PATH, which is how each stub's embedded Python finds this venv's site-packages."""
-    spec = importlib.util.find_spec("pytriton")
-    site = Path(next(iter(spec.submodule_search_locations))).parent
     env = dict(os.environ)
-    libs = [str(site / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR") or ""]
+    if triton_home() is not None:
+        # Your own build: its libraries and libpython are on your LD_LIBRARY_PATH. (Prepending LIBDIR here
+        # could shadow torch's own cuDNN/nvJPEG with a system copy of another version.)
+        libs = []
+    else:
+        spec = importlib.util.find_spec("pytriton")
+        site = Path(next(iter(spec.submodule_search_locations))).parent
+        libs = [str(site / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR") or ""]
     env["LD_LIBRARY_PATH"] = os.pathsep.join([*libs, env.get("LD_LIBRARY_PATH", "")]).strip(os.pathsep)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env
@@ -144,7 +178,10 @@ class TritonServer:
 
     def start(self) -> TritonServer:
         argv, env = self.command()
-        self.process = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        # A session of its own: Ctrl-C in a terminal reaches this process, which drains first (stop()).
+        self.process = subprocess.Popen(
+            argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         return self
 
     @property
@@ -161,7 +198,8 @@ class TritonServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode} before it was ready")
             try:
-                index = client.get_model_repository_index(as_json=True).get("models", [])
+                index = client.get_model_repository_index(headers=self.settings.admin_headers, as_json=True)
+                index = index.get("models", [])
                 states = {m["name"]: m.get("state", "UNAVAILABLE") for m in index}
                 if progress and states != last:
                     progress(states)
@@ -173,16 +211,49 @@ class TritonServer:
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s")
 
+    def drain(self) -> None:
+        """Unload the entry models and wait until their in-flight requests are done.
+
+        A SIGTERM alone would fail them: once tritonserver shuts down it refuses every new request, the BLS
+        calls of requests already inside the pipeline included.
+        """
+        import tritonclient.grpc as grpcclient
+
+        deadline = time.monotonic() + self.settings.exit_timeout_s
+        try:
+            with grpcclient.InferenceServerClient(self.grpc_url) as client:
+                headers = self.settings.admin_headers
+                for model in self.settings.entry_models:
+                    if client.is_model_ready(model):
+                        client.unload_model(model, headers=headers)
+                while time.monotonic() < deadline:
+                    index = client.get_model_repository_index(headers=headers, as_json=True).get("models", [])
+                    entries = [m for m in index if m["name"] in self.settings.entry_models]
+                    if not any(m.get("state") == "UNLOADING" for m in entries):
+                        return
+                    time.sleep(0.2)
+        except Exception:  # not up, or already going down: nothing left to drain
+            return
+
     def stop(self) -> int | None:
-        """SIGTERM, then wait out the server's exit timeout (in-flight requests finish), then SIGKILL."""
+        """Drain, SIGTERM, wait out the server's exit timeout, then SIGKILL."""
         if self.process is None or self.process.poll() is not None:
             return None if self.process is None else self.process.returncode
+        self.drain()
         self.process.send_signal(signal.SIGTERM)
         try:
             return self.process.wait(self.settings.exit_timeout_s + 15)
         except subprocess.TimeoutExpired:
             self.process.kill()
             return self.process.wait()
+        finally:
+            self.remove_shm_regions()
+
+    def remove_shm_regions(self) -> None:
+        """A stub that died (killed, crashed) never unlinks its /dev/shm region, and after such a crash
+        Triton 2.51 waits out its exit timeout instead of cleaning up: this server's prefix finds them."""
+        for region in Path("/dev/shm").glob(self.settings.shm_prefix + "*"):
+            region.unlink(missing_ok=True)
 
     def __enter__(self) -> TritonServer:
         return self.start()

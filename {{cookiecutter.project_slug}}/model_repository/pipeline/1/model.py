@@ -36,15 +36,7 @@ class TritonPythonModel:
                 responses.append(error_response(p))
                 continue
             end = start + p.shape[0]
-            responses.append(
-                pb_utils.InferenceResponse(
-                    [
-                        to_triton("SCORES", outputs["SCORES"][start:end]),
-                        to_triton("CLASS_IDS", outputs["CLASS_IDS"][start:end]),
-                        pb_utils.Tensor("LABELS", outputs["LABELS"][start:end]),
-                    ]
-                )
-            )
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(n, outputs[n][start:end]) for n in OUTPUTS]))
             start = end
         return responses
 
@@ -55,10 +47,8 @@ class TritonPythonModel:
 
     async def classify(self, pixels):
         resnet = await self.instance.infer("resnet", [to_triton("PIXELS", pixels)], ["LOGITS"], self.timeout_us)
-        # LOGITS goes on as the very tensor resnet returned: no copy, no conversion.
-        result = await self.instance.infer("postprocess", [resnet["LOGITS"]], OUTPUTS, self.timeout_us)
-        return {
-            "SCORES": self.instance.to_torch(result["SCORES"]),
-            "CLASS_IDS": self.instance.to_torch(result["CLASS_IDS"]),
-            "LABELS": result["LABELS"].as_numpy(),  # strings cannot travel through DLPack
-        }
+        # LOGITS goes on as the very tensor resnet returned: no copy, no conversion. The top-k results only go
+        # back to the client over gRPC, so they come back in host memory (a few bytes per image; LABELS are
+        # strings, which can neither live on the GPU nor travel through DLPack).
+        result = await self.instance.infer("postprocess", [resnet["LOGITS"]], OUTPUTS, self.timeout_us, on_host=True)
+        return {name: result[name].as_numpy() for name in OUTPUTS}

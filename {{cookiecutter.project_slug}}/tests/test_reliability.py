@@ -1,0 +1,273 @@
+"""The bad day, against a real tritonserver over gRPC: bad input, load, leaks, overload, hot reload,
+admin keys, dead stubs and graceful shutdown. Every loop is bounded in count and time; loopback only."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from conftest import free_port, make_image, png_header
+from tritonclient.utils import InferenceServerException
+
+from {{ cookiecutter.package_name }}.health import DEAD_STUB, StubWatchdog, probe
+from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
+
+pytestmark = pytest.mark.e2e
+CLIENTS, REQUESTS_PER_CLIENT = (32, 5000) if os.environ.get("RELIABILITY_FULL") else (8, 25)
+
+
+def infer(url, inputs, model="pipeline"):
+    with grpcclient.InferenceServerClient(url) as client:
+        return client.infer(model, inputs, client_timeout=120)
+
+
+def image_input(images, shape=None, dtype="BYTES"):
+    batch = np.array([[image] for image in images], dtype=object)
+    tensor = grpcclient.InferInput("IMAGE", list(shape or batch.shape), dtype)
+    tensor.set_data_from_numpy(batch)
+    return tensor
+
+
+def raw_input(name, array, dtype):
+    tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def processes(server: TritonServer) -> dict[int, str]:
+    """{pid: command line} of the server and its Python-backend stubs."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        if server.settings.shm_prefix in cmdline:
+            found[int(entry.name)] = cmdline
+    return found
+
+
+def rss_mib(pids) -> float:
+    total = 0
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1])
+    return total / 1024
+
+
+def shm_regions(server: TritonServer) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in Path("/dev/shm").glob(server.settings.shm_prefix + "*")}
+
+
+def stub_pid(server: TritonServer, model: str) -> int:
+    (pid,) = [pid for pid, cmd in processes(server).items() if f"/{model}/1/model.py" in cmd]
+    return pid
+
+
+# ---------------------------------------------------------------- bad input, on the shared server
+
+BAD_REQUESTS = {
+    "image-bomb-header": lambda: [image_input([png_header(30000, 30000)])],
+    "truncated-jpeg": lambda: [image_input([make_image(1, size=(640, 480))[:2000]])],
+    "over-max-batch": lambda: [image_input([b"x"] * 4096)],
+    "wrong-dtype": lambda: [raw_input("IMAGE", np.zeros((1, 1), np.float32), "FP32")],
+    "wrong-shape": lambda: [raw_input("IMAGE", np.array([[b"a", b"b"]], dtype=object), "BYTES")],
+    "missing-input": lambda: [raw_input("PIXELS", np.array([[b"a"]], dtype=object), "BYTES")],
+}
+
+
+@pytest.mark.parametrize("model", ["pipeline", "ensemble"])
+@pytest.mark.parametrize("name", list(BAD_REQUESTS))
+def test_bad_request_gets_invalid_argument_and_nothing_else_breaks(server, model_repository, name, model):
+    if not (model_repository / model).is_dir():
+        pytest.skip(f"no {model} in this project")
+    with pytest.raises(InferenceServerException) as error:
+        infer(server.grpc_url, BAD_REQUESTS[name](), model)
+    assert error.value.status() == "StatusCode.INVALID_ARGUMENT", error.value.message()
+    assert probe(server.grpc_url) is None, "the server still answers real requests"
+
+
+def test_load_holds_with_no_errors_and_no_leak(server, reference):
+    images = [make_image(100 + i, size=(160, 120)) for i in range(4)]
+    expected = reference(images)[1][:, 0].tolist()
+
+    def run_clients(rounds):
+        def client(i):
+            with grpcclient.InferenceServerClient(server.grpc_url) as c:
+                answers = []
+                for n in range(rounds):
+                    result = c.infer("pipeline", [image_input([images[(i + n) % 4]])], client_timeout=120)
+                    answers.append(int(result.as_numpy("CLASS_IDS")[0, 0]) == expected[(i + n) % 4])
+                return answers
+
+        with ThreadPoolExecutor(CLIENTS) as pool:
+            return [ok for answers in pool.map(client, range(CLIENTS)) for ok in answers]
+
+    assert all(run_clients(3))  # warm up: shared-memory regions and allocator pools reach their working size
+    pids = processes(server)
+    rss_before, shm_before = rss_mib(pids), shm_regions(server)
+    started = time.monotonic()
+    answers = run_clients(REQUESTS_PER_CLIENT)
+    elapsed = time.monotonic() - started
+    rss_after, shm_after = rss_mib(pids), shm_regions(server)
+    print(
+        f"\nload: {CLIENTS} clients x {REQUESTS_PER_CLIENT} requests = {len(answers)} in {elapsed:.1f} s "
+        f"({len(answers) / elapsed:.1f}/s), errors 0; RSS of server + {len(pids) - 1} stubs "
+        f"{rss_before:.0f} -> {rss_after:.0f} MiB; /dev/shm {sum(shm_before.values()) >> 20} -> "
+        f"{sum(shm_after.values()) >> 20} MiB in {len(shm_after)} regions"
+    )
+    assert len(answers) == CLIENTS * REQUESTS_PER_CLIENT and all(answers)
+    assert shm_after.keys() == shm_before.keys(), "no region appears or disappears under steady load"
+    assert sum(shm_after.values()) <= sum(shm_before.values()) + 64 * (1 << 20)
+    assert rss_after - rss_before < 256, "RSS stays within 256 MiB of its warmed-up size"
+
+
+# ---------------------------------------------------------------- a server of its own for destructive tests
+
+
+def start_server(model_repository: Path, workdir: Path):
+    """A server of its own on its own copy of the repository (hot reload writes into it)."""
+    repo = workdir / "model_repository"
+    shutil.copytree(model_repository, repo, copy_function=os.link)  # hard links: the 100 MB weights are shared
+    for model_py in repo.glob("*/1/model.py"):  # model.py files are rewritten, so they are real copies
+        model_py.unlink()
+        shutil.copy(model_repository / model_py.relative_to(repo), model_py)
+    settings = ServerSettings(repo, free_port(), free_port(), free_port())
+    triton = TritonServer(settings, container=False, log=open(workdir / "tritonserver.log", "w")).start()
+    triton.wait_ready(600)
+    return triton
+
+
+@pytest.fixture(scope="module")
+def own_server(model_repository, tmp_path_factory):
+    triton = start_server(model_repository, tmp_path_factory.mktemp("own"))
+    yield triton
+    triton.stop()
+
+
+def test_admin_apis_need_the_key(own_server):
+    with grpcclient.InferenceServerClient(own_server.grpc_url) as client:
+        for call in (lambda **h: client.load_model("postprocess", **h), client.get_inference_statistics):
+            with pytest.raises(InferenceServerException, match="restricted"):
+                call()
+        client.load_model("postprocess", headers=own_server.settings.admin_headers)
+        assert client.get_inference_statistics(headers=own_server.settings.admin_headers)
+        assert client.is_server_ready() and client.is_model_ready("pipeline")  # health and inference stay open
+
+
+def test_overload_is_rejected_fast_instead_of_queued_forever(own_server):
+    headers = own_server.settings.admin_headers
+    with grpcclient.InferenceServerClient(own_server.grpc_url) as client:
+        original = client.get_model_config("pipeline", as_json=True)["config"]
+        config = json.loads(json.dumps(original))
+        config["dynamic_batching"]["default_queue_policy"]["max_queue_size"] = "2"
+        client.load_model("pipeline", config=json.dumps(config), headers=headers)
+    image, gate = make_image(5, size=(640, 480)), threading.Barrier(24)
+
+    def send(_):
+        gate.wait()
+        started = time.monotonic()
+        try:
+            infer(own_server.grpc_url, [image_input([image] * 4)])
+            return "ok", time.monotonic() - started
+        except InferenceServerException as exc:
+            return exc.message(), time.monotonic() - started
+
+    try:
+        with ThreadPoolExecutor(24) as pool:
+            outcomes = list(pool.map(send, range(24)))
+    finally:
+        with grpcclient.InferenceServerClient(own_server.grpc_url) as client:
+            client.load_model("pipeline", config=json.dumps(original), headers=headers)
+    rejected = [t for outcome, t in outcomes if "Exceeds maximum queue size" in outcome]
+    served = [t for outcome, t in outcomes if outcome == "ok"]
+    print(f"\noverload: {len(served)} served (max {max(served):.2f} s), {len(rejected)} rejected "
+          f"(median {sorted(rejected)[len(rejected) // 2] * 1000:.0f} ms)" if rejected else "")
+    assert len(served) + len(rejected) == 24, outcomes
+    assert served and rejected
+    assert max(rejected) < max(served), "a rejection comes back before the queue would have served it"
+
+
+def test_hot_reload_of_the_pipeline_under_load_loses_no_request(own_server):
+    repo = own_server.settings.model_repository
+    new_version = repo / "pipeline" / "2"
+    new_version.mkdir()
+    source = (repo / "pipeline" / "1" / "model.py").read_text()
+    (new_version / "model.py").write_text(source.replace('"""The BLS entry point', '"""Version 2. The BLS entry point'))
+    image, stop, outcomes = make_image(7), threading.Event(), []
+
+    def client():
+        with grpcclient.InferenceServerClient(own_server.grpc_url) as c:
+            deadline = time.monotonic() + 300
+            while not stop.is_set() and time.monotonic() < deadline:
+                try:
+                    result = c.infer("pipeline", [image_input([image])], client_timeout=120)
+                    outcomes.append(result.get_response().model_version)
+                except InferenceServerException as exc:
+                    outcomes.append(f"error: {exc.message()}")
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        with grpcclient.InferenceServerClient(own_server.grpc_url) as c:
+            c.load_model("pipeline", headers=own_server.settings.admin_headers)  # picks up version 2
+        deadline = time.monotonic() + 120
+        while outcomes.count("2") < 20 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    errors = [o for o in outcomes if o.startswith("error")]
+    print(f"\nhot reload: {outcomes.count('1')} answered by version 1, {outcomes.count('2')} by version 2, "
+          f"{len(errors)} failed")
+    assert errors == [] and outcomes.count("1") > 0 and outcomes.count("2") >= 20
+
+
+def test_stop_finishes_in_flight_requests_and_leaves_nothing_behind(own_server):
+    """What SIGTERM or Ctrl-C to `serve` (and `docker compose stop`) does: TritonServer.stop()."""
+    images = [make_image(200 + i, size=(640, 480)) for i in range(4)]
+    assert processes(own_server) and shm_regions(own_server)
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(infer, own_server.grpc_url, [image_input(images)]) for _ in range(6)]
+        time.sleep(0.5)  # all six are queued or executing
+        returncode = own_server.stop()
+        results = [f.result() for f in futures]
+    assert all(r.as_numpy("CLASS_IDS").shape[0] == 4 for r in results)
+    assert returncode == 0
+    assert processes(own_server) == {}, "no stub outlives the server"
+    assert shm_regions(own_server) == {}, "no /dev/shm region outlives the server"
+
+
+def test_a_dead_stub_is_detected_and_its_model_reloaded(model_repository, tmp_path):
+    """Triton 2.51 keeps reporting ready with a dead stub; `health` and the watchdog must not."""
+    own_server = start_server(model_repository, tmp_path)
+    url = own_server.grpc_url
+    os.kill(stub_pid(own_server, "resnet"), signal.SIGKILL)
+    time.sleep(1)
+    error = probe(url)
+    assert error and DEAD_STUB.findall(error) == ["resnet"]
+    health = [sys.executable, "-m", "{{ cookiecutter.package_name }}.cli", "health", "--url", url]
+    assert subprocess.run(health, capture_output=True, timeout=120).returncode == 1
+    watchdog = StubWatchdog(url, own_server.settings.admin_headers, log=lambda message: None)
+    assert watchdog.check() == ["resnet"]
+    assert probe(url) is None
+    assert subprocess.run(health, capture_output=True, timeout=120).returncode == 0
+    with grpcclient.InferenceServerClient(url) as client:
+        assert client.is_model_ready("pipeline")
+    started = time.monotonic()
+    own_server.stop()
+    print(f"\nstop after a stub crash took {time.monotonic() - started:.1f} s")
+    assert processes(own_server) == {} and shm_regions(own_server) == {}
