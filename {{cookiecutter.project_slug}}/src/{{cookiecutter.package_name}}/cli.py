@@ -11,13 +11,16 @@ REPOSITORY = Path("model_repository")
 
 
 def serve(args) -> int:
-    from .server import ServerSettings, TritonServer
+    from .server import ServerSettings, TritonServer, server_flags
 
     server = TritonServer(container=args.container)
     address = args.address or ("0.0.0.0" if server.container else "127.0.0.1")
     server.settings = settings = ServerSettings(
         args.model_repository, args.http_port, args.grpc_port, args.metrics_port, address=address
     )
+    if args.print_flags:
+        print("\n".join(server_flags(settings)))
+        return 0
     print(f"starting tritonserver on {settings.model_repository} (GPUs: {settings.gpus or 'none, CPU only'})")
     server.start()
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
@@ -71,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="use /opt/tritonserver (default: when it exists) instead of the nvidia-pytriton wheel")
     p.add_argument("--address", help="listen address (default: 127.0.0.1 locally, 0.0.0.0 in the container)")
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait for the models to load")
+    p.add_argument("--print-flags", action="store_true", help="print the tritonserver flags, one per line, and exit")
     p.set_defaults(run=serve)
 
     p = commands.add_parser("classify", help="send images over gRPC and print the top-k classes")
