@@ -23,7 +23,9 @@ def serve(args) -> int:
         return 0
     print(f"starting tritonserver on {settings.model_repository} (GPUs: {settings.gpus or 'none, CPU only'})")
     server.start()
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    # SIGTERM (docker stop) takes the Ctrl-C path below. Stopping inside the handler deadlocked: the handler's
+    # Popen.wait() cannot reap while the interrupted outer wait() holds Popen's wait lock.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.wait_ready(args.timeout, progress=lambda s: print("models:", ", ".join(f"{k} {v}" for k, v in s.items())))
         print(f"ready.  gRPC localhost:{settings.grpc_port}   HTTP http://localhost:{settings.http_port}"
