@@ -1,8 +1,14 @@
-"""Fixtures: test images, a model repository with deterministic random weights, and a real tritonserver."""
+"""Fixtures: test images, a model repository with deterministic random weights, and a real tritonserver.
+
+By default the tests start their own local tritonserver. With TRITON_GRPC_URL set they use that running server
+instead (the compose `tests` service does), and MODEL_REPOSITORY names the repository it serves, so that the
+in-process reference loads the same weights.
+"""
 
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import socket
 import struct
@@ -22,6 +28,8 @@ from {{ cookiecutter.package_name }}.stages import Reference
 from {{ cookiecutter.package_name }}.weights import write_random
 
 PROJECT = Path(__file__).resolve().parents[1]
+EXTERNAL_GRPC_URL = os.environ.get("TRITON_GRPC_URL")
+EXTERNAL_REPOSITORY = os.environ.get("MODEL_REPOSITORY")
 TRITON_DTYPES = {"TYPE_FP32": torch.float32, "TYPE_FP16": torch.float16, "TYPE_BF16": torch.bfloat16}
 
 
@@ -62,6 +70,8 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def model_repository(tmp_path_factory) -> Path:
     """A copy of the project's model repository with deterministic random ResNet weights."""
+    if EXTERNAL_GRPC_URL:
+        return Path(EXTERNAL_REPOSITORY or PROJECT / "model_repository")
     repo = tmp_path_factory.mktemp("triton") / "model_repository"
     shutil.copytree(PROJECT / "model_repository", repo, ignore=shutil.ignore_patterns("weights.pt", "__pycache__"))
     variant, weights = resnet_weights(repo)
@@ -72,15 +82,27 @@ def model_repository(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def reference(model_repository) -> Reference:
     """The same stages and weights in-process on the CPU: what the server must answer."""
+    if EXTERNAL_GRPC_URL and not EXTERNAL_REPOSITORY:
+        pytest.skip("set MODEL_REPOSITORY to the repository the server at TRITON_GRPC_URL serves")
     variant, weights = resnet_weights(model_repository)
     pixels = next(o for o in load_config(model_repository / "preprocess").output if o.name == "PIXELS")
     dtype = TRITON_DTYPES[model_config_pb2.DataType.Name(pixels.data_type)]
     return Reference(variant, weights, top_k(model_repository), dtype=dtype)
 
 
+class RunningServer:
+    """A server someone else started (TRITON_GRPC_URL): only its address."""
+
+    def __init__(self, grpc_url: str):
+        self.grpc_url = grpc_url
+
+
 @pytest.fixture(scope="session")
 def server(model_repository, tmp_path_factory):
     """A real tritonserver (the local runtime) on free loopback ports, serving every model."""
+    if EXTERNAL_GRPC_URL:
+        yield RunningServer(EXTERNAL_GRPC_URL)
+        return
     log_path = tmp_path_factory.mktemp("log") / "tritonserver.log"
     settings = ServerSettings(model_repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     with open(log_path, "w") as log, TritonServer(settings, container=False, log=log) as triton:

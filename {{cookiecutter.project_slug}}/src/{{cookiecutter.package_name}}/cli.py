@@ -13,16 +13,21 @@ REPOSITORY = Path("model_repository")
 
 def serve(args) -> int:
     from .health import StubWatchdog
-    from .server import ServerSettings, TritonServer
+    from .server import ServerSettings, TritonServer, server_flags
 
     server = TritonServer(container=args.container)
     address = args.address or ("0.0.0.0" if server.container else "127.0.0.1")
     server.settings = settings = ServerSettings(
         args.model_repository, args.http_port, args.grpc_port, args.metrics_port, address=address
     )
+    if args.print_flags:
+        print("\n".join(server_flags(settings)))
+        return 0
     print(f"starting tritonserver on {settings.model_repository} (GPUs: {settings.gpus or 'none, CPU only'})")
     server.start()
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    # SIGTERM (docker stop) takes the Ctrl-C path below. Stopping inside the handler deadlocked: the handler's
+    # Popen.wait() cannot reap while the interrupted outer wait() holds Popen's wait lock.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.wait_ready(
             args.timeout, progress=lambda s: print("models:", ", ".join(f"{k} {v}" for k, v in s.items()))
@@ -98,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--watchdog-interval", type=float, default=10, help="seconds between stub health probes (0: no watchdog)"
     )
+    p.add_argument("--print-flags", action="store_true", help="print the tritonserver flags, one per line, and exit")
     p.set_defaults(run=serve)
 
     p = commands.add_parser("health", help="one small real inference; exit 0 if it is answered")

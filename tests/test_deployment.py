@@ -1,0 +1,355 @@
+"""The docker compose deployment, verified statically (no Docker engine needed).
+
+The container and the local runtime must never drift: both run the CLI `serve`, whose tritonserver flags come
+from `server_flags()`. These tests read the baked compose files, Dockerfile and workflow, validate them against
+the schemas check-jsonschema vendors (offline), and ask the baked CLI itself for the flags it would run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import TEMPLATE, bake
+from cookiecutter.main import cookiecutter
+
+NON_DEFAULT = {"http_port": 9100, "grpc_port": 9101, "metrics_port": 9102, "max_batch_size": 256}
+PIXELS_BYTES = 3 * 224 * 224 * 4  # one image's FP32 pixels
+TRITON_DEFAULT_POOL = 64 * 2**20
+
+
+@pytest.fixture(scope="module", params=["default", "non-default"])
+def project(request, tmp_path_factory) -> tuple[Path, dict]:
+    """(baked project, its cookiecutter answers) for the default bake and one with other ports and max batch."""
+    extra = {} if request.param == "default" else NON_DEFAULT
+    path = bake(tmp_path_factory.mktemp(request.param), **extra)
+    answers = json.loads((path / ".cookiecutter.json").read_text())["cookiecutter"]
+    return path, answers
+
+
+# --- reading compose files the way Compose does ------------------------------------------------------------
+
+
+class Reset:
+    """Compose's `!reset` tag: the key is removed from what the earlier files set."""
+
+
+class ComposeLoader(yaml.SafeLoader):
+    pass
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: Reset())
+
+
+def merge(base, override):
+    """Compose's merge of a later file into an earlier one (mappings merge key by key; enough for ours)."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        merged = dict(base)
+        for key, value in override.items():
+            if isinstance(value, Reset):
+                merged.pop(key, None)
+            else:
+                merged[key] = merge(base.get(key), value)
+        return merged
+    return override
+
+
+def interpolate(value, env: dict[str, str]):
+    """Compose's `${VAR:-default}` / `${VAR}` interpolation (and `$$`), applied to every string."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+    pattern = r"\$\$|\$\{(\w+)(?::-([^}]*))?\}"
+    return re.sub(pattern, lambda m: "$" if m[0] == "$$" else env.get(m[1]) or (m[2] or ""), value)
+
+
+def compose(project: Path, *files: str, env: dict[str, str] | None = None) -> dict:
+    """The configuration `docker compose -f FILE...` reads; interpolated with `env` unless env is None."""
+    config: dict = {}
+    for name in files or ("docker-compose.yml",):
+        config = merge(config, yaml.load((project / name).read_text(), ComposeLoader))
+    return config if env is None else interpolate(config, env)
+
+
+def check_jsonschema(schema: str, data_or_path, tmp_path: Path) -> None:
+    path = data_or_path
+    if not isinstance(path, Path):
+        path = tmp_path / f"{schema}.yml"
+        path.write_text(yaml.safe_dump(data_or_path))
+    cmd = [sys.executable, "-m", "check_jsonschema", "--builtin-schema", f"vendor.{schema}", str(path)]
+    result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def seconds(duration: str) -> float:
+    """A Compose duration ("1m30s", "60s", "500ms") in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, f"not a duration: {duration}"
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def size_bytes(size: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)\s*([kmg]?)b?", str(size).lower()).groups()
+    return int(number) * 1024 ** " kmg".index(unit or " ")
+
+
+# --- asking the baked CLI for the flags it runs --------------------------------------------------------------
+
+
+def server_flags(project: Path, tmp_path: Path, gpus: int, env: dict[str, str] | None = None) -> list[str]:
+    """`<slug> serve --container --print-flags` in the baked project, with an `nvidia-smi` that lists `gpus`
+    GPUs: the flags the container's tritonserver gets from server_flags()."""
+    fake_bin = tmp_path / f"bin-{gpus}"
+    fake_bin.mkdir(exist_ok=True)
+    nvidia_smi = fake_bin / "nvidia-smi"
+    listing = "".join(f"echo 'GPU {i}: NVIDIA H200 (UUID: GPU-{i})'\n" for i in range(gpus))
+    nvidia_smi.write_text(f"#!/bin/sh\n{listing}")
+    nvidia_smi.chmod(0o755)
+    package = json.loads((project / ".cookiecutter.json").read_text())["cookiecutter"]["package_name"]
+    run_env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    run_env |= {"PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(project / "src")}
+    run_env |= env or {}
+    cmd = [sys.executable, "-m", f"{package}.cli", "serve", "--container", "--print-flags"]
+    result = subprocess.run(cmd, check=False, cwd=project, env=run_env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
+
+
+def flag(flags: list[str], name: str) -> str:
+    (value,) = [f.split("=", 1)[1] for f in flags if f.startswith(f"--{name}=")]
+    return value
+
+
+def dockerfile_stages(project: Path) -> dict[str, list[str]]:
+    """Stage name -> its instructions (continuation lines joined), in order."""
+    text = re.sub(r"\\\n", " ", (project / "Dockerfile").read_text())
+    stages: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if match := re.fullmatch(r"FROM\s+(\S+)\s+AS\s+(\S+)", line, re.IGNORECASE):
+            current = match[2]
+            stages[current] = []
+        stages[current].append(line)
+    return stages
+
+
+# --- the tests -----------------------------------------------------------------------------------------------
+
+
+def test_compose_files_validate_against_the_compose_spec(project, tmp_path):
+    path, _ = project
+    check_jsonschema("compose-spec", path / "docker-compose.yml", tmp_path)
+    for files in (["docker-compose.yml"], ["docker-compose.yml", "docker-compose.cpu.yml"]):
+        check_jsonschema("compose-spec", compose(path, *files, env={}), tmp_path)
+        check_jsonschema("compose-spec", compose(path, *files, env={"TRITON_GPU_COUNT": "all"}), tmp_path)
+
+
+def test_base_image_is_the_chosen_triton_release(project):
+    path, answers = project
+    stages = dockerfile_stages(path)
+    assert list(stages) == ["runtime", "tests"]
+    assert stages["runtime"][0] == f"FROM nvcr.io/nvidia/tritonserver:{answers['triton_version']}-py3 AS runtime"
+    assert stages["tests"][0] == "FROM runtime AS tests"
+    server_py = next((path / "src").glob("*/server.py")).read_text()
+    assert f'TRITON_RELEASE = "{answers["triton_version"]}"' in server_py
+
+
+def test_image_pins_torch_for_the_container_and_numpy_below_2(project):
+    path, _ = project
+    pins = [line for line in (path / "docker" / "constraints.txt").read_text().splitlines() if not line.startswith("#")]
+    assert pins == ["torch==2.5.1", "torchvision==0.20.1", "numpy<2"]
+    runtime = " ".join(dockerfile_stages(path)["runtime"])
+    assert "--constraint /tmp/constraints.txt torch torchvision" in runtime
+    assert "--constraint /tmp/constraints.txt ." in runtime  # the package itself cannot pull other versions
+
+
+def test_image_runs_as_a_non_root_user_with_its_weights_inside(project):
+    path, _ = project
+    for name, instructions in dockerfile_stages(path).items():
+        users = [i.split()[1] for i in instructions if i.startswith("USER ")]
+        assert users and users[-1] not in ("root", "0"), f"stage {name} ends as root"
+    runtime = dockerfile_stages(path)["runtime"]
+    assert "COPY model_repository/ model_repository/" in runtime
+    assert any("model_repository/resnet/1/weights.pt" in i and "exit 1" in i for i in runtime if i.startswith("RUN"))
+    lines = (path / ".dockerignore").read_text().splitlines()
+    ignored = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    assert ".venv" in ignored and not any(
+        "weights" in p or p.endswith(".pt") or "model_repository" in p for p in ignored
+    )
+
+
+def test_container_command_is_the_cli_serve(project):
+    path, answers = project
+    slug, package = answers["project_slug"], answers["package_name"]
+    command = [slug, "serve", "--container"]
+    assert compose(path, env={})["services"]["triton"]["command"] == command
+    cmd = [i for i in dockerfile_stages(path)["runtime"] if i.startswith("CMD")]
+    assert cmd == [f"CMD {json.dumps(command)}"]
+    assert f'{slug} = "{package}.cli:main"' in (path / "pyproject.toml").read_text()
+
+
+def test_container_flags_come_from_server_flags_sized_for_the_max_batch(project, tmp_path):
+    path, answers = project
+    flags = server_flags(path, tmp_path, gpus=2)
+    largest = int(answers["max_batch_size"]) * PIXELS_BYTES
+    pools = dict(f.split("=", 1)[1].split(":") for f in flags if f.startswith("--cuda-memory-pool-byte-size="))
+    assert set(pools) == {"0", "1"}  # one pool per GPU the container sees
+    assert all(int(size) > max(largest, TRITON_DEFAULT_POOL) for size in pools.values())
+    assert flag(flags, "model-control-mode") == "explicit"
+    assert flag(flags, "load-model") == "*"
+    backend = [f for f in flags if f.startswith("--backend-config=python,shm-")]
+    assert {b.split("=")[1].split(",")[1] for b in backend} >= {"shm-default-byte-size", "shm-growth-byte-size"}
+    assert int(flag(flags, "exit-timeout-secs")) > 0
+    assert {flag(flags, f"{kind}-address") for kind in ("http", "grpc", "metrics")} == {"0.0.0.0"}
+    assert flag(flags, "model-repository") == str((path / "model_repository").resolve())
+
+
+def test_stop_grace_period_outlasts_the_server_exit_timeout(project, tmp_path):
+    path, _ = project
+    exit_timeout = int(flag(server_flags(path, tmp_path, gpus=1), "exit-timeout-secs"))
+    grace = seconds(compose(path, env={})["services"]["triton"]["stop_grace_period"])
+    assert grace > exit_timeout
+
+
+def test_ports_publish_the_served_ports_on_loopback_by_default(project, tmp_path):
+    path, answers = project
+    flags = server_flags(path, tmp_path, gpus=1)
+    served = {kind: flag(flags, f"{kind}-port") for kind in ("http", "grpc", "metrics")}
+    assert served == {kind: str(answers[f"{kind}_port"]) for kind in served}
+    assert compose(path, env={})["services"]["triton"]["ports"] == [
+        f"127.0.0.1:{served[kind]}:{served[kind]}" for kind in ("http", "grpc", "metrics")
+    ]
+    env = {"TRITON_BIND_ADDRESS": "0.0.0.0", "TRITON_HTTP_PORT": "18000", "TRITON_GRPC_PORT": "18001"}
+    assert compose(path, env=env)["services"]["triton"]["ports"] == [
+        f"0.0.0.0:18000:{served['http']}",
+        f"0.0.0.0:18001:{served['grpc']}",
+        f"0.0.0.0:{served['metrics']}:{served['metrics']}",
+    ]
+    expose = next(i for i in dockerfile_stages(path)["runtime"] if i.startswith("EXPOSE"))
+    assert expose.split()[1:] == list(served.values())
+
+
+def test_healthcheck_asks_triton_ready_on_the_served_http_port(project, tmp_path):
+    path, _ = project
+    http_port = flag(server_flags(path, tmp_path, gpus=1), "http-port")
+    health = compose(path, env={})["services"]["triton"]["healthcheck"]
+    assert health["test"] == ["CMD", "curl", "-fsS", f"http://localhost:{http_port}/v2/health/ready"]
+    assert seconds(health["start_period"]) >= 60 and int(health["retries"]) >= 1
+
+
+def test_triton_service_has_gpu_shm_ulimits_init_and_restart(project):
+    path, _ = project
+    triton = compose(path, env={})["services"]["triton"]
+    (gpu,) = triton["deploy"]["resources"]["reservations"]["devices"]
+    assert gpu == {"driver": "nvidia", "count": "1", "capabilities": ["gpu"]}
+    all_gpus = compose(path, env={"TRITON_GPU_COUNT": "all"})["services"]["triton"]
+    assert all_gpus["deploy"]["resources"]["reservations"]["devices"][0]["count"] == "all"
+    assert size_bytes(triton["shm_size"]) >= 1 << 30
+    assert triton["ulimits"] == {"memlock": -1, "stack": 67108864}
+    assert triton["init"] is True
+    assert triton["restart"] in ("always", "unless-stopped")
+
+
+def test_cpu_variant_drops_the_gpu_and_changes_nothing_else(project, tmp_path):
+    path, _ = project
+    gpu = compose(path, env={})["services"]["triton"]
+    cpu = compose(path, "docker-compose.yml", "docker-compose.cpu.yml", env={})["services"]["triton"]
+    assert "devices" not in cpu["deploy"]["resources"]["reservations"]
+    assert cpu["environment"] == {"NVIDIA_VISIBLE_DEVICES": "void", "CUDA_VISIBLE_DEVICES": ""}
+    assert {k: v for k, v in cpu.items() if k not in ("deploy", "environment")} == {
+        k: v for k, v in gpu.items() if k != "deploy"
+    }
+    # Its environment hides the GPUs from server_flags() too, even where nvidia-smi would list one.
+    flags = server_flags(path, tmp_path, gpus=1, env=cpu["environment"])
+    assert not any(f.startswith("--cuda-memory-pool-byte-size") for f in flags)
+
+
+def test_tests_service_runs_the_e2e_suite_against_the_triton_service(project, tmp_path):
+    path, _ = project
+    grpc_port = flag(server_flags(path, tmp_path, gpus=1), "grpc-port")
+    tests = compose(path, env={})["services"]["tests"]
+    assert tests["build"]["target"] == "tests" and tests["profiles"] == ["tests"]
+    assert tests["depends_on"] == {"triton": {"condition": "service_healthy"}}
+    assert tests["environment"]["TRITON_GRPC_URL"] == f"triton:{grpc_port}"
+    assert tests["volumes"] == [f"./model_repository:{tests['environment']['MODEL_REPOSITORY']}:ro"]
+    cmd = next(i for i in dockerfile_stages(path)["tests"] if i.startswith("CMD"))
+    assert json.loads(cmd[len("CMD ") :])[-3:] == ["-m", "e2e", "tests"]
+    conftest = (path / "tests" / "conftest.py").read_text()
+    assert 'os.environ.get("TRITON_GRPC_URL")' in conftest and 'os.environ.get("MODEL_REPOSITORY")' in conftest
+
+
+def test_workflow_validates_and_runs_lint_and_the_cpu_tests(project, tmp_path):
+    path, _ = project
+    workflow = path / ".github" / "workflows" / "ci.yml"
+    check_jsonschema("github-workflows", workflow, tmp_path)
+    jobs = yaml.safe_load(workflow.read_text())["jobs"]
+    steps = {name: " ".join(str(s.get("run", "")) for s in job["steps"]) for name, job in jobs.items()}
+    assert "pre-commit run --all-files" in steps["lint"]
+    assert "make test" in steps["test"]
+    assert "docker-compose.cpu.yml config" in steps["compose"]
+    assert "${{ github.workflow }}" in workflow.read_text()  # GitHub's expressions survive Jinja
+
+
+def test_replay_file_bakes_the_same_project(project, tmp_path):
+    path, answers = project
+    assert not {"_output_dir", "_repo_dir"} & set(answers)  # no paths of the machine that baked it
+    again = Path(cookiecutter(str(TEMPLATE), replay=str(path / ".cookiecutter.json"), output_dir=str(tmp_path)))
+    files = sorted(p.relative_to(path) for p in path.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    assert all((path / f).read_bytes() == (again / f).read_bytes() for f in files)
+
+
+def test_pre_commit_runs_ruff(project):
+    path, _ = project
+    config = yaml.safe_load((path / ".pre-commit-config.yaml").read_text())
+    (repo,) = config["repos"]
+    assert repo["repo"] == "https://github.com/astral-sh/ruff-pre-commit"
+    assert re.fullmatch(r"v\d+\.\d+\.\d+", repo["rev"])
+    assert [hook["id"] for hook in repo["hooks"]] == ["ruff-check", "ruff-format"]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_makefile_has_the_deployment_targets(project, tmp_path):
+    path = Path(shutil.copytree(project[0], tmp_path / "project"))
+    listed = subprocess.run(["make", "help"], cwd=path, capture_output=True, text=True, check=True).stdout
+    for target in ("up", "down", "logs", "test", "bench", "compose-test", "compose-e2e"):
+        assert re.search(rf"^\s*(\x1b\[\d+m)?{target}\b", listed, re.MULTILINE), f"make help lists no {target}"
+
+    def dry_run(*args):
+        out = subprocess.run(["make", "-n", *args], cwd=path, capture_output=True, text=True, check=True).stdout
+        return out.splitlines()[-1]
+
+    (path / "model_repository/resnet/1/weights.pt").touch()  # so `up` plans no weights step
+    (path / ".venv/bin").mkdir(parents=True, exist_ok=True)
+    (path / ".venv/bin/activate").touch()
+    assert dry_run("up") == "docker compose -f docker-compose.yml up -d --build --wait triton"
+    assert (
+        dry_run("up", "CPU=1")
+        == "docker compose -f docker-compose.yml -f docker-compose.cpu.yml up -d --build --wait triton"
+    )
+    assert dry_run("bench") == ".venv/bin/python benchmarks/run.py"
+
+
+def test_compose_e2e_scripts_are_executable_shell(project):
+    path, _ = project
+    for script in (path / "scripts" / "compose_e2e.sh", TEMPLATE / "scripts" / "compose_e2e.sh"):
+        assert script.stat().st_mode & stat.S_IXUSR, f"{script} is not executable"
+        subprocess.run(["bash", "-n", str(script)], check=True)
+    text = (path / "scripts" / "compose_e2e.sh").read_text()
+    for step in ("build", "up -d --wait --wait-timeout", "run --rm tests", "down -v", "trap finish EXIT"):
+        assert step in text
