@@ -223,7 +223,7 @@ def test_stop_grace_period_outlasts_the_server_exit_timeout(project, tmp_path):
     path, _ = project
     exit_timeout = int(flag(server_flags(path, tmp_path, gpus=1), "exit-timeout-secs"))
     grace = seconds(compose(path, env={})["services"]["triton"]["stop_grace_period"])
-    assert grace > exit_timeout
+    assert grace > 2 * exit_timeout, "drain (up to the exit timeout) plus the server's own exit timeout"
 
 
 def test_ports_publish_the_served_ports_on_loopback_by_default(project, tmp_path):
@@ -244,12 +244,13 @@ def test_ports_publish_the_served_ports_on_loopback_by_default(project, tmp_path
     assert expose.split()[1:] == list(served.values())
 
 
-def test_healthcheck_asks_triton_ready_on_the_served_http_port(project, tmp_path):
+def test_healthcheck_runs_a_real_inference_on_the_served_grpc_port(project, tmp_path):
     path, _ = project
-    http_port = flag(server_flags(path, tmp_path, gpus=1), "http-port")
+    grpc_port = flag(server_flags(path, tmp_path, gpus=1), "grpc-port")
     health = compose(path, env={})["services"]["triton"]["healthcheck"]
-    assert health["test"] == ["CMD", "curl", "-fsS", f"http://localhost:{http_port}/v2/health/ready"]
+    assert health["test"] == ["CMD", path.name, "health", "--url", f"localhost:{grpc_port}"]
     assert seconds(health["start_period"]) >= 60 and int(health["retries"]) >= 1
+    assert seconds(health["timeout"]) > 30, "longer than the health command's own 30 s inference timeout"
 
 
 def test_triton_service_has_gpu_shm_ulimits_init_and_restart(project):
@@ -270,9 +271,10 @@ def test_cpu_variant_drops_the_gpu_and_changes_nothing_else(project, tmp_path):
     gpu = compose(path, env={})["services"]["triton"]
     cpu = compose(path, "docker-compose.yml", "docker-compose.cpu.yml", env={})["services"]["triton"]
     assert "devices" not in cpu["deploy"]["resources"]["reservations"]
-    assert cpu["environment"] == {"NVIDIA_VISIBLE_DEVICES": "void", "CUDA_VISIBLE_DEVICES": ""}
+    hide_gpus = {"NVIDIA_VISIBLE_DEVICES": "void", "CUDA_VISIBLE_DEVICES": ""}
+    assert cpu["environment"] == gpu["environment"] | hide_gpus
     assert {k: v for k, v in cpu.items() if k not in ("deploy", "environment")} == {
-        k: v for k, v in gpu.items() if k != "deploy"
+        k: v for k, v in gpu.items() if k not in ("deploy", "environment")
     }
     # Its environment hides the GPUs from server_flags() too, even where nvidia-smi would list one.
     flags = server_flags(path, tmp_path, gpus=1, env=cpu["environment"])

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from conftest import free_port, make_image, png_header
+from conftest import EXTERNAL_GRPC_URL, free_port, make_image, png_header
 from tritonclient.utils import InferenceServerException
 
 from {{ cookiecutter.package_name }}.health import DEAD_STUB, StubWatchdog, probe
@@ -23,6 +23,8 @@ from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
 
 pytestmark = pytest.mark.e2e
 CLIENTS, REQUESTS_PER_CLIENT = (32, 5000) if os.environ.get("RELIABILITY_FULL") else (8, 25)
+# These start their own tritonserver or read its processes: not against a server started elsewhere.
+local_server_only = pytest.mark.skipif(bool(EXTERNAL_GRPC_URL), reason="needs a local server it can inspect")
 
 
 def infer(url, inputs, model="pipeline"):
@@ -97,6 +99,7 @@ def test_bad_request_gets_invalid_argument_and_nothing_else_breaks(server, model
     assert probe(server.grpc_url) is None, "the server still answers real requests"
 
 
+@local_server_only
 def test_load_holds_with_no_errors_and_no_leak(server, reference):
     images = [make_image(100 + i, size=(160, 120)) for i in range(4)]
     expected = reference(images)[1][:, 0].tolist()
@@ -155,6 +158,7 @@ def own_server(model_repository, tmp_path_factory):
     triton.stop()
 
 
+@local_server_only
 def test_admin_apis_need_the_key(own_server):
     with grpcclient.InferenceServerClient(own_server.grpc_url) as client:
         for call in (lambda **h: client.load_model("postprocess", **h), client.get_inference_statistics):
@@ -165,6 +169,7 @@ def test_admin_apis_need_the_key(own_server):
         assert client.is_server_ready() and client.is_model_ready("pipeline")  # health and inference stay open
 
 
+@local_server_only
 def test_overload_is_rejected_fast_instead_of_queued_forever(own_server):
     headers = own_server.settings.admin_headers
     with grpcclient.InferenceServerClient(own_server.grpc_url) as client:
@@ -198,6 +203,7 @@ def test_overload_is_rejected_fast_instead_of_queued_forever(own_server):
     assert max(rejected) < max(served), "a rejection comes back before the queue would have served it"
 
 
+@local_server_only
 def test_hot_reload_of_the_pipeline_under_load_loses_no_request(own_server):
     repo = own_server.settings.model_repository
     new_version = repo / "pipeline" / "2"
@@ -236,6 +242,7 @@ def test_hot_reload_of_the_pipeline_under_load_loses_no_request(own_server):
     assert errors == [] and outcomes.count("1") > 0 and outcomes.count("2") >= 20
 
 
+@local_server_only
 def test_stop_finishes_in_flight_requests_and_leaves_nothing_behind(own_server):
     """What SIGTERM or Ctrl-C to `serve` (and `docker compose stop`) does: TritonServer.stop()."""
     images = [make_image(200 + i, size=(640, 480)) for i in range(4)]
@@ -251,6 +258,7 @@ def test_stop_finishes_in_flight_requests_and_leaves_nothing_behind(own_server):
     assert shm_regions(own_server) == {}, "no /dev/shm region outlives the server"
 
 
+@local_server_only
 def test_a_dead_stub_is_detected_and_its_model_reloaded(model_repository, tmp_path):
     """Triton 2.51 keeps reporting ready with a dead stub; `health` and the watchdog must not."""
     own_server = start_server(model_repository, tmp_path)
