@@ -31,8 +31,6 @@ class StageError(Exception):
         self.code = code
 
 
-HOST_MEMORY = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
-
 TORCH_DTYPES = {
     "TYPE_FP32": torch.float32,
     "TYPE_FP16": torch.float16,
@@ -54,6 +52,8 @@ class Instance:
             torch.cuda.set_device(self.device)
         memory = pb_utils.TRITONSERVER_MEMORY_GPU if self.on_gpu else pb_utils.TRITONSERVER_MEMORY_CPU
         self.preferred_memory = pb_utils.PreferredMemory(memory, device_id if self.on_gpu else 0)
+        # pb_utils.PreferredMemory exists only once the stub runs: never build one at import time.
+        self.host_memory = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
         self.parameters = {k: v["string_value"] for k, v in self.config.get("parameters", {}).items()}
 
     def dtype(self, name: str) -> torch.dtype:
@@ -83,7 +83,7 @@ class Instance:
             model_name=model_name,
             inputs=inputs,
             requested_output_names=outputs,
-            preferred_memory=HOST_MEMORY if on_host else self.preferred_memory,
+            preferred_memory=self.host_memory if on_host else self.preferred_memory,
             timeout=timeout_us,
         )
         response = await request.async_exec()
