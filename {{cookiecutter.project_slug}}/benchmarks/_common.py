@@ -1,0 +1,156 @@
+"""Shared by the benchmarks: where results go, the environment they ran in, tables, plots, a server."""
+
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+PROJECT = Path(__file__).resolve().parents[1]
+RESULTS = PROJECT / "benchmarks" / "results"
+sys.path.insert(0, str(PROJECT / "src"))
+
+
+def _run(argv: list[str]) -> str:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def environment() -> dict:
+    """Hardware, versions, date and commit: what a published figure must carry."""
+    import torch
+    import torchvision
+
+    gpu = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
+    commit = os.environ.get("BENCH_COMMIT") or _run(["git", "-C", str(PROJECT), "rev-parse", "--short", "HEAD"])
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit or "unknown",
+        "gpu": gpu.splitlines()[0] if gpu else "none",
+        "cpu": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        "tritonserver": triton_version(),
+    }
+
+
+def triton_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return f"{version('nvidia-pytriton')} (nvidia-pytriton wheel)"
+    except Exception:
+        home = os.environ.get("TRITONSERVER_HOME", "/opt/tritonserver")
+        text = Path(home, "TRITON_VERSION").read_text().strip() if Path(home, "TRITON_VERSION").is_file() else ""
+        return text or f"from {home}"
+
+
+def write(name: str, results: dict, rows: list[dict], columns: list[str], plot, out: Path = RESULTS) -> None:
+    """results -> <name>.json; rows -> <name>.md (a table under the environment); plot(ax) -> <name>.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    env = results["environment"]
+    lines = [f"# {results['title']}", ""]
+    lines += [f"- {k}: {v}" for k, v in env.items()]
+    lines += ["", *results.get("notes", []), ""]
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_fmt(row.get(c, "")) for c in columns) + " |" for row in rows]
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing (pip install -e '.[bench]'): no plot")
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    plot(ax)
+    ax.set_title(f"{results['title']}\n{env['gpu'].split(',')[0]}, {env['date'][:10]}, {env['commit']}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png", dpi=120)
+    plt.close(fig)
+    print(f"wrote {out / name}.json, .md, .png")
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+    return str(value)
+
+
+def sample_jpegs(count: int, size=(500, 375), quality=90, seed=0) -> list[bytes]:
+    """Photo-like JPEGs (smooth gradients, shapes and sensor noise): about 50-60 KB at 500x375."""
+    rng = np.random.default_rng(seed)
+    w, h = size
+    y, x = np.mgrid[0:h, 0:w] / max(w, h)
+    images = []
+    for _ in range(count):
+        channels = [
+            np.sin(2 * np.pi * (rng.uniform(0.5, 3) * x + rng.uniform(0.5, 3) * y + rng.uniform())) for _ in range(3)
+        ]
+        rgb = (np.stack(channels, -1) + 1) * 110 + rng.normal(0, 12, (h, w, 3))
+        out = io.BytesIO()
+        Image.fromarray(rgb.clip(0, 255).astype(np.uint8)).save(out, format="JPEG", quality=quality)
+        images.append(out.getvalue())
+    return images
+
+
+def with_pool_size(argv: list[str], pool_bytes: int, gpus: int = 1) -> list[str]:
+    """tritonserver argv with the CUDA memory pool resized (the pool carries every GPU tensor between processes)."""
+    argv = [a for a in argv if not a.startswith("--cuda-memory-pool-byte-size")]
+    return argv + [f"--cuda-memory-pool-byte-size={g}:{pool_bytes}" for g in range(gpus)]
+
+
+def set_precision(repository: Path, precision: str) -> None:
+    """Rewrite the PIXELS data type of preprocess and resnet (the baked precision is the default)."""
+    for model in ("preprocess", "resnet"):
+        path = repository / model / "config.pbtxt"
+        text = re.sub(r'(name: "PIXELS", data_type: )TYPE_\w+', rf"\1TYPE_{precision.upper()}", path.read_text())
+        path.write_text(text)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_server(repository: Path, log_path: Path, pool_bytes: int | None = None):
+    """The project's own tritonserver (same flags as `serve`) on free ports, optionally with another pool size."""
+    from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer, visible_gpus
+
+    class BenchServer(TritonServer):
+        def command(self):
+            argv, env = super().command()
+            if pool_bytes is not None:
+                argv = with_pool_size(argv, pool_bytes, max(1, len(visible_gpus())))
+            return argv, env
+
+    settings = ServerSettings(repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    server = BenchServer(settings, log=open(log_path, "w"))
+    server.start()
+    try:
+        server.wait_ready(600)
+    except Exception:
+        server.stop()
+        print(Path(log_path).read_text()[-5000:])
+        raise
+    return server

@@ -1,0 +1,197 @@
+"""Benchmark 2: end-to-end throughput and p50/p99 latency over gRPC (JPEG in, top-k out), BLS vs ensemble.
+
+    python benchmarks/e2e.py [--precision fp32 fp16] [--concurrency 1 2 4 8 16 32 64] [--images-per-request 1 16]
+
+Starts the project's tritonserver (its own flags; random weights unless model_repository has weights.pt),
+and for each entry point, images per request and concurrency (requests in flight, closed loop) measures
+client-side latency and images/s for --seconds. The client is several processes of gRPC threads, so that
+Python is not the limit; `client_cpu` in the JSON says how busy they were.
+Writes e2e.json, e2e.md and e2e.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from _common import PROJECT, RESULTS, bench_server, environment, sample_jpegs, set_precision, write
+
+
+def worker(url, model, images, threads, start_at, warmup_s, seconds, queue):
+    """Closed loop on `threads` gRPC clients; latencies of requests sent inside the window."""
+    import threading
+
+    import tritonclient.grpc as grpcclient
+
+    batch = np.array([[image] for image in images], dtype=object)
+    window = (start_at + warmup_s, start_at + warmup_s + seconds)
+    latencies, errors, lock = [], [], threading.Lock()
+
+    def loop():
+        client = grpcclient.InferenceServerClient(url)
+        inputs = [grpcclient.InferInput("IMAGE", list(batch.shape), "BYTES")]
+        inputs[0].set_data_from_numpy(batch)
+        mine, failed = [], []
+        while time.time() < start_at:
+            time.sleep(0.001)
+        while True:
+            sent = time.time()
+            if sent >= window[1]:
+                break
+            try:
+                client.infer(model, inputs)
+            except Exception as exc:  # counted and reported, never hidden
+                failed.append(str(exc)[:200])
+                continue
+            done = time.time()
+            if sent >= window[0]:
+                mine.append((done - sent) * 1e3)
+        client.close()
+        with lock:
+            latencies.extend(mine)
+            errors.extend(failed)
+
+    cpu0 = time.process_time()
+    pool = [threading.Thread(target=loop) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    queue.put((latencies, errors, time.process_time() - cpu0))
+
+
+def run_point(url, model, images, concurrency, seconds, warmup_s=1.0, max_procs=12) -> dict:
+    ctx = mp.get_context("spawn")
+    procs = min(concurrency, max_procs)
+    split = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
+    queue = ctx.Queue()
+    start_at = time.time() + 3.0  # time for the spawned processes to import and connect
+    ps = [ctx.Process(target=worker, args=(url, model, images, n, start_at, warmup_s, seconds, queue)) for n in split]
+    for p in ps:
+        p.start()
+    latencies, errors, cpu = [], [], 0.0
+    for _ in ps:
+        lat, err, c = queue.get()
+        latencies += lat
+        errors += err
+        cpu += c
+    for p in ps:
+        p.join()
+    lat = np.array(latencies or [float("nan")])
+    if errors:
+        print(f"{model}: {len(errors)} failed requests, first: {errors[0]}")
+    return {
+        "errors": len(errors),
+        "requests": len(latencies),
+        "img_s": len(latencies) * len(images) / seconds,
+        "p50_ms": float(np.percentile(lat, 50)),
+        "p99_ms": float(np.percentile(lat, 99)),
+        "client_cpu": cpu / (seconds + warmup_s + 3.0),
+    }
+
+
+def main(argv=None) -> dict:
+    from {{ cookiecutter.package_name }}.model_repository import resnet_weights
+    from {{ cookiecutter.package_name }}.weights import write_random
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--precision", nargs="+", default=[None], help="rewrite PIXELS to this (default: as baked)")
+    parser.add_argument("--models", nargs="+", default=["pipeline", "ensemble"])
+    parser.add_argument("--images-per-request", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+
+    jpegs = sample_jpegs(64)
+    rows = []
+    for precision in args.precision:
+        with tempfile.TemporaryDirectory() as tmp:
+            repo = Path(tmp) / "model_repository"
+            shutil.copytree(PROJECT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
+            variant, weights = resnet_weights(repo)
+            if not weights.is_file():
+                write_random(variant, weights)
+            if precision:
+                set_precision(repo, precision)
+            label = precision or "as baked"
+            server = bench_server(repo, Path(tmp) / "tritonserver.log")
+            try:
+                for model in args.models:
+                    if not (repo / model).is_dir():
+                        continue
+                    for n in args.images_per_request:
+                        for c in args.concurrency:
+                            point = run_point(server.grpc_url, model, jpegs[:n], c, args.seconds)
+                            row = {
+                                "precision": label,
+                                "model": model,
+                                "images_per_request": n,
+                                "concurrency": c,
+                                **point,
+                            }
+                            rows.append(row)
+                            print(
+                                f"{label} {model:9s} n={n:3d} c={c:3d}: {point['img_s']:8,.0f} img/s  "
+                                f"p50 {point['p50_ms']:7.2f} ms  p99 {point['p99_ms']:7.2f} ms  "
+                                f"errors {point['errors']}  client cpu {point['client_cpu']:.1f}"
+                            )
+            finally:
+                server.stop()
+
+    results = {
+        "title": "End to end over gRPC (JPEG in, top-k out): BLS pipeline vs ensemble",
+        "environment": environment(),
+        "notes": [
+            "Closed loop: `concurrency` requests in flight, each `images_per_request` 500x375 JPEGs; client-side "
+            f"latency; {args.seconds:g} s per point after 1 s warm-up; client_cpu = client CPU cores busy."
+        ],
+        "rows": rows,
+    }
+    columns = [
+        "precision",
+        "model",
+        "images_per_request",
+        "concurrency",
+        "img_s",
+        "p50_ms",
+        "p99_ms",
+        "errors",
+        "client_cpu",
+    ]
+
+    def plot(ax):
+        for model, color in (("pipeline", "tab:green"), ("ensemble", "tab:purple")):
+            for label in dict.fromkeys(r["precision"] for r in rows):
+                for n, style in zip(args.images_per_request, ("-", "--", ":", "-.")):
+                    sel = [
+                        r
+                        for r in rows
+                        if r["model"] == model and r["images_per_request"] == n and r["precision"] == label
+                    ]
+                    if sel:
+                        ax.plot(
+                            [r["concurrency"] for r in sel],
+                            [r["img_s"] for r in sel],
+                            style,
+                            marker="o",
+                            color=color,
+                            alpha=1.0 if label == "fp16" else 0.6,
+                            label=f"{model} {label} {n} img/req",
+                        )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.set_ylabel("images/s")
+        ax.legend(fontsize=7)
+
+    write("e2e", results, rows, columns, plot, args.out)
+    return results
+
+
+if __name__ == "__main__":
+    main()
