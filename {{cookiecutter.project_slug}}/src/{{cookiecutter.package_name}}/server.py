@@ -140,6 +140,16 @@ def local_tritonserver() -> tuple[Path, Path]:
     return home / "bin" / "tritonserver", backends
 
 
+def _libpython_dir() -> list[str]:
+    """This interpreter's LIBDIR, so the stub loads the same libpython: only where the loader would not find it
+    anyway. A system directory (/usr/lib/x86_64-linux-gnu) on LD_LIBRARY_PATH would put its cuDNN ahead of
+    torch's own, and torch fails on the GPU."""
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    arch = sysconfig.get_config_var("MULTIARCH") or ""
+    system = {"/lib", "/lib64", "/usr/lib", "/usr/lib64", f"/lib/{arch}", f"/usr/lib/{arch}"}
+    return [] if not libdir or os.path.normpath(libdir) in system else [libdir]
+
+
 def local_environment() -> dict[str, str]:
     """The wheel's libraries and this interpreter's libpython for the server and its stubs; this venv's
     `python3` first on PATH, which is how each stub's embedded Python finds this venv's site-packages."""
@@ -151,7 +161,7 @@ def local_environment() -> dict[str, str]:
     else:
         spec = importlib.util.find_spec("pytriton")
         site = Path(next(iter(spec.submodule_search_locations))).parent
-        libs = [str(site / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR") or ""]
+        libs = [str(site / "nvidia_pytriton.libs"), *_libpython_dir()]
     env["LD_LIBRARY_PATH"] = os.pathsep.join([*libs, env.get("LD_LIBRARY_PATH", "")]).strip(os.pathsep)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env
