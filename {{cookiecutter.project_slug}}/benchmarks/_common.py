@@ -125,14 +125,6 @@ def set_precision(repository: Path, precision: str) -> None:
         path.write_text(text)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bench_server(repository: Path, log_path: Path, pool_bytes: int | None = None):
     """The project's own tritonserver (same flags as `serve`) on free ports, optionally with another pool size."""
     from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer, visible_gpus
@@ -144,7 +136,7 @@ def bench_server(repository: Path, log_path: Path, pool_bytes: int | None = None
                 argv = with_pool_size(argv, pool_bytes, max(1, len(visible_gpus())))
             return argv, env
 
-    settings = ServerSettings(repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    settings = ServerSettings.on_free_ports(repository)
     server = BenchServer(settings, log=open(log_path, "w"))
     server.start()
     try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import os
 import shutil
-import socket
 import struct
 import zlib
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import tritonclient.grpc as grpcclient
 from PIL import Image
 from tritonclient.grpc import model_config_pb2
 
@@ -61,10 +61,17 @@ def png_header(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def image_input(images: list[bytes]) -> grpcclient.InferInput:
+    """The IMAGE input for a batch of encoded images."""
+    batch = np.array([[image] for image in images], dtype=object)
+    tensor = grpcclient.InferInput("IMAGE", list(batch.shape), "BYTES")
+    tensor.set_data_from_numpy(batch)
+    return tensor
+
+
+def infer(url: str, inputs: list, model: str = "pipeline") -> grpcclient.InferResult:
+    with grpcclient.InferenceServerClient(url) as client:
+        return client.infer(model, inputs, client_timeout=120)
 
 
 @pytest.fixture(scope="session")
@@ -104,7 +111,7 @@ def server(model_repository, tmp_path_factory):
         yield RunningServer(EXTERNAL_GRPC_URL)
         return
     log_path = tmp_path_factory.mktemp("log") / "tritonserver.log"
-    settings = ServerSettings(model_repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    settings = ServerSettings.on_free_ports(model_repository)
     with open(log_path, "w") as log, TritonServer(settings, container=False, log=log) as triton:
         try:
             triton.wait_ready(600)

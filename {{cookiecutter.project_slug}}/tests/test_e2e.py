@@ -7,8 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-import tritonclient.grpc as grpcclient
-from conftest import make_image
+from conftest import image_input, infer, make_image
 from tritonclient.utils import InferenceServerException
 
 from {{ cookiecutter.package_name }}.client import ImageClassifier
@@ -25,14 +24,6 @@ def assert_matches_reference(result, images, reference):
     scores, class_ids = reference(images)
     np.testing.assert_allclose(result.as_numpy("SCORES"), scores.numpy(), atol=tolerance(reference))
     assert (result.as_numpy("CLASS_IDS")[:, 0] == class_ids[:, 0].numpy()).all()
-
-
-def send_raw(server, images: list[bytes], model="pipeline"):
-    batch = np.array([[image] for image in images], dtype=object)
-    inputs = [grpcclient.InferInput("IMAGE", list(batch.shape), "BYTES")]
-    inputs[0].set_data_from_numpy(batch)
-    with grpcclient.InferenceServerClient(server.grpc_url) as c:
-        return c.infer(model, inputs)
 
 
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
@@ -78,7 +69,10 @@ def test_pipeline_and_ensemble_answer_the_same(server, model_repository):
     if not (model_repository / "ensemble").is_dir():
         pytest.skip("this project was baked without the ensemble")
     images = [make_image(50), make_image(51, fmt="PNG")]
-    bls, ens = send_raw(server, images, "pipeline"), send_raw(server, images, "ensemble")
+    bls, ens = (
+        infer(server.grpc_url, [image_input(images)], "pipeline"),
+        infer(server.grpc_url, [image_input(images)], "ensemble"),
+    )
     for name in ("SCORES", "CLASS_IDS", "LABELS"):
         np.testing.assert_array_equal(bls.as_numpy(name), ens.as_numpy(name))
 
@@ -89,33 +83,13 @@ def test_grayscale_alpha_and_cmyk_are_served(client, reference, mode, fmt):
     assert_matches_reference(client.infer([image]), [image], reference)
 
 
-BAD_IMAGES = {
-    "not-an-image": b"this is plain text, not an image",
-    "empty": b"",
-    "truncated-header": make_image(70)[:40],
-}
-
-
-@pytest.mark.parametrize("model", ["pipeline", "ensemble"])
-@pytest.mark.parametrize("name", list(BAD_IMAGES))
-def test_bad_image_gets_invalid_argument_and_the_server_stays_ready(server, model_repository, model, name):
-    if not (model_repository / model).is_dir():
-        pytest.skip(f"no {model} in this project")
-    with pytest.raises(InferenceServerException) as error:
-        send_raw(server, [make_image(71), BAD_IMAGES[name]], model)
-    assert error.value.status() == "StatusCode.INVALID_ARGUMENT"
-    with grpcclient.InferenceServerClient(server.grpc_url) as c:
-        assert c.is_server_ready() and c.is_model_ready(model)
-    send_raw(server, [make_image(72)], model)  # and it still serves
-
-
 def test_a_bad_request_fails_alone_while_concurrent_good_ones_succeed(server, reference):
     good = [make_image(80 + i) for i in range(4)]
     expected = reference(good)[1][:, 0].tolist()
 
     def send(i):
         try:
-            result = send_raw(server, [good[i % 4]] if i % 5 else [b"bad bytes"])
+            result = infer(server.grpc_url, [image_input([good[i % 4]] if i % 5 else [b"bad bytes"])])
             return int(result.as_numpy("CLASS_IDS")[0, 0])
         except InferenceServerException as exc:
             return exc.status()

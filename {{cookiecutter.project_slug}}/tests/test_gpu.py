@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from conftest import TRITON_DTYPES, free_port, make_image
+from conftest import TRITON_DTYPES, make_image
 from tritonclient.grpc import model_config_pb2
 
 from {{ cookiecutter.package_name }}.model_repository import load_config, resnet_weights, top_k
@@ -129,7 +129,7 @@ def python_models(repository: Path) -> list[str]:
 
 
 def start(repository: Path, log_path: Path) -> TritonServer:
-    settings = ServerSettings(repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    settings = ServerSettings.on_free_ports(repository)
     triton = TritonServer(settings, container=False, log=open(log_path, "w")).start()
     try:
         triton.wait_ready(600)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from conftest import EXTERNAL_GRPC_URL, free_port, make_image, png_header
+from conftest import EXTERNAL_GRPC_URL, image_input, infer, make_image, png_header
 from tritonclient.utils import InferenceServerException
 
 from {{ cookiecutter.package_name }}.health import DEAD_STUB, StubWatchdog, probe
@@ -25,18 +25,6 @@ pytestmark = pytest.mark.e2e
 CLIENTS, REQUESTS_PER_CLIENT = (32, 5000) if os.environ.get("RELIABILITY_FULL") else (8, 25)
 # These start their own tritonserver or read its processes: not against a server started elsewhere.
 local_server_only = pytest.mark.skipif(bool(EXTERNAL_GRPC_URL), reason="needs a local server it can inspect")
-
-
-def infer(url, inputs, model="pipeline"):
-    with grpcclient.InferenceServerClient(url) as client:
-        return client.infer(model, inputs, client_timeout=120)
-
-
-def image_input(images, shape=None, dtype="BYTES"):
-    batch = np.array([[image] for image in images], dtype=object)
-    tensor = grpcclient.InferInput("IMAGE", list(shape or batch.shape), dtype)
-    tensor.set_data_from_numpy(batch)
-    return tensor
 
 
 def raw_input(name, array, dtype):
@@ -79,6 +67,10 @@ def stub_pid(server: TritonServer, model: str) -> int:
 # ---------------------------------------------------------------- bad input, on the shared server
 
 BAD_REQUESTS = {
+    # one bad image beside a good one fails the whole request it is in
+    "not-an-image": lambda: [image_input([make_image(71), b"this is plain text, not an image"])],
+    "empty-element": lambda: [image_input([make_image(71), b""])],
+    "truncated-header": lambda: [image_input([make_image(70)[:40]])],
     "image-bomb-header": lambda: [image_input([png_header(30000, 30000)])],
     "truncated-jpeg": lambda: [image_input([make_image(1, size=(640, 480))[:2000]])],
     "over-max-batch": lambda: [image_input([b"x"] * 4096)],
@@ -145,7 +137,7 @@ def start_server(model_repository: Path, workdir: Path):
     for model_py in repo.glob("*/1/model.py"):  # model.py files are rewritten, so they are real copies
         model_py.unlink()
         shutil.copy(model_repository / model_py.relative_to(repo), model_py)
-    settings = ServerSettings(repo, free_port(), free_port(), free_port())
+    settings = ServerSettings.on_free_ports(repo)
     triton = TritonServer(settings, container=False, log=open(workdir / "tritonserver.log", "w")).start()
     triton.wait_ready(600)
     return triton

@@ -13,6 +13,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -41,6 +42,12 @@ def visible_gpus() -> list[int]:
     return list(range(count))
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def cuda_pool_bytes(max_batch_size: int = MAX_BATCH_SIZE) -> int:
     """The CUDA memory pool per GPU. Every GPU tensor crossing a stub/server boundary goes through it,
     so it must hold several of the largest ([max_batch, 3, 224, 224] FP32 pixels) at once."""
@@ -66,6 +73,11 @@ class ServerSettings:
     # The models clients call. Stopping unloads these first, so their in-flight requests (and the BLS calls
     # they still have to make) finish before the server stops taking requests.
     entry_models: tuple[str, ...] = ("pipeline", "ensemble")
+
+    @classmethod
+    def on_free_ports(cls, model_repository: Path, **options) -> ServerSettings:
+        """Settings for a server beside others (tests, benchmarks): free loopback ports."""
+        return cls(model_repository, free_port(), free_port(), free_port(), **options)
 
     @property
     def admin_headers(self) -> dict[str, str]:
