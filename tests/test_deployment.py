@@ -332,8 +332,12 @@ def test_makefile_has_the_deployment_targets(project, tmp_path):
     for target in ("up", "down", "logs", "test", "bench", "compose-test", "compose-e2e"):
         assert re.search(rf"^\s*(\x1b\[\d+m)?{target}\b", listed, re.MULTILINE), f"make help lists no {target}"
 
+    # Under an outer make (`make test`) the inherited MAKEFLAGS/MAKELEVEL would add "Entering directory" lines.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+
     def dry_run(*args):
-        out = subprocess.run(["make", "-n", *args], cwd=path, capture_output=True, text=True, check=True).stdout
+        run = ["make", "--no-print-directory", "-n", *args]
+        out = subprocess.run(run, cwd=path, env=env, capture_output=True, text=True, check=True).stdout
         return out.splitlines()[-1]
 
     (path / "model_repository/resnet/1/weights.pt").touch()  # so `up` plans no weights step
