@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from conftest import TRITON_DTYPES, make_image
+from conftest import TRITON_DTYPES, image_input, infer, make_image
 from tritonclient.grpc import model_config_pb2
 
 from {{ cookiecutter.package_name }}.model_repository import load_config, resnet_weights, top_k
@@ -69,9 +69,9 @@ def where(hop, tensors):
 _infer = python_backend.Instance.infer
 
 
-async def infer(self, model_name, inputs, outputs, timeout_us=0):
+async def infer(self, model_name, inputs, outputs, timeout_us=0, on_host=False):
     where(f"{self.name}->{model_name}", inputs)
-    result = await _infer(self, model_name, inputs, outputs, timeout_us)
+    result = await _infer(self, model_name, inputs, outputs, timeout_us, on_host)
     where(f"{model_name}->{self.name}", result.values())
     return result
 
@@ -140,14 +140,6 @@ def start(repository: Path, log_path: Path) -> TritonServer:
     return triton
 
 
-def infer(url: str, model: str, images: list[bytes]):
-    batch = np.array([[image] for image in images], dtype=object)
-    inputs = [grpcclient.InferInput("IMAGE", list(batch.shape), "BYTES")]
-    inputs[0].set_data_from_numpy(batch)
-    with grpcclient.InferenceServerClient(url) as c:
-        return c.infer(model, inputs)
-
-
 BATCHES = [[make_image(100 + i, size=(320 + 16 * i, 240)) for i in range(n)] for n in (1, 3, 8, 2)]
 
 
@@ -173,8 +165,12 @@ def probed(model_repository, tmp_path_factory):
     triton = start(repo, work / "tritonserver.log")
     try:
         entry_points = [m for m in ("pipeline", "ensemble") if (repo / m).is_dir()]
-        results = {(m, i): infer(triton.grpc_url, m, images) for m in entry_points for i, images in enumerate(BATCHES)}
-        headers = getattr(triton.settings, "admin_headers", None)  # where the model-repository API needs a key
+        results = {
+            (m, i): infer(triton.grpc_url, [image_input(images)], m)
+            for m in entry_points
+            for i, images in enumerate(BATCHES)
+        }
+        headers = triton.settings.admin_headers
         with grpcclient.InferenceServerClient(triton.grpc_url) as c:
             for model in ["pipeline", "ensemble", "preprocess", "resnet", "postprocess"]:
                 if model in entry_points or model in models:
@@ -270,7 +266,7 @@ def test_gpu_answers_match_the_in_process_reference(server, gpu_reference):
     tol = 1e-3 if gpu_reference.preprocess.dtype == torch.float32 else 2e-2
     for model in ("pipeline", "ensemble"):
         for images in BATCHES:
-            result = infer(server.grpc_url, model, images)
+            result = infer(server.grpc_url, [image_input(images)], model)
             scores, class_ids = gpu_reference(images)
             np.testing.assert_allclose(result.as_numpy("SCORES"), scores.cpu().numpy(), atol=tol, rtol=1e-2)
             assert (result.as_numpy("CLASS_IDS")[:, 0] == class_ids[:, 0].cpu().numpy()).all()
@@ -290,7 +286,7 @@ def test_gpu_memory_does_not_grow_over_1000_requests(server):
     images = [make_image(200 + i, size=(300 + 20 * i, 260)) for i in range(4)]
 
     def send(i):
-        return infer(server.grpc_url, "pipeline", images[: 1 + i % 4]).as_numpy("CLASS_IDS").shape[0]
+        return infer(server.grpc_url, [image_input(images[: 1 + i % 4])]).as_numpy("CLASS_IDS").shape[0]
 
     with ThreadPoolExecutor(8) as pool:
         assert sum(pool.map(send, range(300))) == 750  # warm up: allocator caches, cuDNN plans, batch shapes
