@@ -19,7 +19,8 @@ RESERVED_PACKAGES = {"torch", "torchvision", "numpy", "PIL", "tritonclient", "py
 
 def integer(name, low, high):
     value = ANSWERS[name]
-    if isinstance(value, bool) or not re.fullmatch(r"\s*\d+\s*", str(value)):
+    # Digits only, no leading zero: the value is rendered as is into Python, protobuf text and YAML.
+    if isinstance(value, bool) or not re.fullmatch(r"0|[1-9][0-9]*", str(value)):
         return f"{name} must be a whole number from {low} to {high}, got {value!r}"
     if not low <= int(value) <= high:
         return f"{name} must be from {low} to {high}, got {int(value)}"
@@ -30,6 +31,9 @@ def errors():
     a = ANSWERS
     if not str(a["project_name"]).strip():
         yield "project_name is empty: give the project a name"
+    for field in ("project_name", "description", "author_name"):
+        if any(ord(c) < 32 or ord(c) == 127 for c in str(a[field])):
+            yield f"{field} contains a control character (a newline, a tab, ...): keep it to one line of text"
     if not re.fullmatch(r"[a-z][a-z0-9]*(-[a-z0-9]+)*", a["project_slug"]):
         yield (f"project_slug {a['project_slug']!r} must be lowercase letters, digits and single hyphens, "
                "starting with a letter (e.g. image-classifier)")

@@ -164,6 +164,9 @@ INVALID = {
     "batch-zero": ({"max_batch_size": 0}, "max_batch_size must be from 1 to 1024, got 0"),
     "batch-too-big": ({"max_batch_size": 4096}, "max_batch_size must be from 1 to 1024"),
     "batch-not-a-number": ({"max_batch_size": "lots"}, "max_batch_size must be a whole number"),
+    "batch-leading-zero": ({"max_batch_size": "064"}, "max_batch_size must be a whole number"),
+    "port-with-spaces": ({"http_port": " 9000"}, "http_port must be a whole number"),
+    "newline-in-description": ({"description": "two\nlines"}, "description contains a control character"),
     "top-k-over-classes": ({"top_k": 1001}, "top_k must be from 1 to 1000"),
     "unsupported-triton": ({"triton_version": "23.01"}, "triton_version '23.01' is not supported"),
     "same-ports": ({"grpc_port": 8000}, "three different ports"),
@@ -181,7 +184,7 @@ def test_invalid_answers_fail_with_the_hooks_message(baker, capfd, tmp_path, ans
 
 
 def test_hostile_text_bakes_safely(baker):
-    hostile = "Bob's \"Quoted\" \\ Classifier ünï $HOME `id`"
+    hostile = "Bob's \"Quoted\" \\ Classifier ünï 😺 $HOME `id`"
     project = baker(project_name=hostile, description=hostile + " desc", author_name=hostile)
     assert project.name == "bob-s-quoted-classifier-uni-home-id"
     meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
@@ -192,9 +195,22 @@ def test_hostile_text_bakes_safely(baker):
     assert hostile in (project / "README.md").read_text()
 
 
-def test_baked_default_project_passes_its_own_test_suite(tmp_path):
-    """The baked project's unit and end-to-end tests, against a real local tritonserver on this machine."""
-    project = bake(tmp_path)
+SUITE_COMBINATIONS = {
+    "default": {},
+    "resnet18-fp16-batch4-top3-no-ensemble": {
+        "resnet_variant": "resnet18",
+        "precision": "fp16",
+        "max_batch_size": 4,
+        "top_k": 3,
+        "include_ensemble": False,
+    },
+}
+
+
+@pytest.mark.parametrize("answers", SUITE_COMBINATIONS.values(), ids=SUITE_COMBINATIONS.keys())
+def test_baked_project_passes_its_own_test_suite(tmp_path, answers):
+    """The baked project's unit, end-to-end and reliability tests, against a real local tritonserver."""
+    project = bake(tmp_path, **answers)
     # Triton's Python-backend stubs import the package from this interpreter's site-packages (PYTHONPATH does
     # not reach them), so the baked project is installed, as its own Makefile would.
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(project)]

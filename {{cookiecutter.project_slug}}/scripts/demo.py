@@ -9,7 +9,7 @@ import numpy as np
 from PIL import Image
 
 from {{ cookiecutter.package_name }}.client import ImageClassifier
-from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
+from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer, print_model_states
 
 
 def sample_images() -> dict[str, bytes]:
@@ -31,7 +31,7 @@ def main() -> int:
     with tempfile.TemporaryFile("w+") as log, TritonServer(settings, log=log) as server:
         print(f"starting tritonserver on {settings.model_repository} ...")
         try:
-            server.wait_ready(600, progress=lambda s: print("  models:", ", ".join(f"{k} {v}" for k, v in s.items())))
+            server.wait_ready(600, progress=print_model_states)
         except Exception:
             log.seek(0)
             print(log.read()[-4000:], file=sys.stderr)

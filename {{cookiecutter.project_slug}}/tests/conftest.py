@@ -87,14 +87,29 @@ def model_repository(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def reference(model_repository) -> Reference:
-    """The same stages and weights in-process on the CPU: what the server must answer."""
+def max_batch(model_repository) -> int:
+    """The entry point's max_batch_size: no test sends a bigger batch."""
+    return load_config(model_repository / "pipeline").max_batch_size
+
+
+@pytest.fixture(scope="session")
+def reference(model_repository, server) -> Reference:
+    """The same stages and weights in-process, on the device the server uses: what the server must answer.
+
+    A GPU server decodes JPEGs with nvJPEG, which differs from the CPU's libjpeg by a few levels per pixel, so its
+    reference runs on the GPU too.
+    """
     if EXTERNAL_GRPC_URL and not EXTERNAL_REPOSITORY:
         pytest.skip("set MODEL_REPOSITORY to the repository the server at TRITON_GRPC_URL serves")
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        kinds = {group.kind for group in client.get_model_config("preprocess").config.instance_group}
+    on_gpu = model_config_pb2.ModelInstanceGroup.KIND_GPU in kinds
+    if on_gpu and not torch.cuda.is_available():
+        pytest.skip("the server preprocesses on a GPU; its reference needs CUDA here too")
     variant, weights = resnet_weights(model_repository)
     pixels = next(o for o in load_config(model_repository / "preprocess").output if o.name == "PIXELS")
     dtype = TRITON_DTYPES[model_config_pb2.DataType.Name(pixels.data_type)]
-    return Reference(variant, weights, top_k(model_repository), dtype=dtype)
+    return Reference(variant, weights, top_k(model_repository), device="cuda" if on_gpu else "cpu", dtype=dtype)
 
 
 class RunningServer:

@@ -16,14 +16,17 @@ from {{ cookiecutter.package_name }}.stages import imagenet_labels
 pytestmark = pytest.mark.e2e
 
 
-def tolerance(reference):
-    return 1e-4 if reference.preprocess.dtype == torch.float32 else 2e-2
+def tolerance(reference) -> dict:
+    """Same code, same weights: exact up to float noise on the CPU; on a GPU, cuDNN picks its kernels per batch."""
+    if reference.preprocess.dtype != torch.float32:
+        return {"atol": 2e-2, "rtol": 0}
+    return {"atol": 1e-4, "rtol": 0} if reference.preprocess.device.type == "cpu" else {"atol": 1e-3, "rtol": 1e-2}
 
 
 def assert_matches_reference(result, images, reference):
     scores, class_ids = reference(images)
-    np.testing.assert_allclose(result.as_numpy("SCORES"), scores.numpy(), atol=tolerance(reference))
-    assert (result.as_numpy("CLASS_IDS")[:, 0] == class_ids[:, 0].numpy()).all()
+    np.testing.assert_allclose(result.as_numpy("SCORES"), scores.cpu().numpy(), **tolerance(reference))
+    assert (result.as_numpy("CLASS_IDS")[:, 0] == class_ids[:, 0].cpu().numpy()).all()
 
 
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
@@ -32,12 +35,13 @@ def test_one_image_matches_the_in_process_reference(client, reference, fmt):
     assert_matches_reference(client.infer([image]), [image], reference)
 
 
-def test_a_batch_answers_each_image_with_sorted_top_k_and_labels(client, reference):
-    images = [make_image(20 + i, size=(200 + 37 * i, 180 + 11 * i), fmt="PNG" if i % 3 else "JPEG") for i in range(8)]
+def test_a_batch_answers_each_image_with_sorted_top_k_and_labels(client, reference, max_batch):
+    n = min(8, max_batch)
+    images = [make_image(20 + i, size=(200 + 37 * i, 180 + 11 * i), fmt="PNG" if i % 3 else "JPEG") for i in range(n)]
     result = client.infer(images)
     assert_matches_reference(result, images, reference)
     scores, class_ids, labels = (result.as_numpy(n) for n in ("SCORES", "CLASS_IDS", "LABELS"))
-    assert scores.shape == class_ids.shape == labels.shape == (8, reference.postprocess.top_k)
+    assert scores.shape == class_ids.shape == labels.shape == (n, reference.postprocess.top_k)
     assert (np.diff(scores, axis=1) <= 0).all() and (scores > 0).all() and (scores.sum(1) <= 1 + 1e-5).all()
     names = imagenet_labels()
     assert [[label.decode() for label in row] for row in labels] == [[names[i] for i in row] for row in class_ids]
@@ -65,15 +69,16 @@ def test_concurrent_clients_each_get_their_own_answer(server, reference):
     assert answers == [[expected[(i + n) % 6] for n in range(5)] for i in range(8)]
 
 
-def test_pipeline_and_ensemble_answer_the_same(server, model_repository):
+def test_pipeline_and_ensemble_answer_the_same(server, model_repository, max_batch):
     if not (model_repository / "ensemble").is_dir():
         pytest.skip("this project was baked without the ensemble")
-    images = [make_image(50), make_image(51, fmt="PNG")]
+    images = [make_image(50), make_image(51, fmt="PNG")][:max_batch]
     bls, ens = (
         infer(server.grpc_url, [image_input(images)], "pipeline"),
         infer(server.grpc_url, [image_input(images)], "ensemble"),
     )
-    for name in ("SCORES", "CLASS_IDS", "LABELS"):
+    np.testing.assert_allclose(bls.as_numpy("SCORES"), ens.as_numpy("SCORES"), atol=1e-5, rtol=0)
+    for name in ("CLASS_IDS", "LABELS"):
         np.testing.assert_array_equal(bls.as_numpy(name), ens.as_numpy(name))
 
 

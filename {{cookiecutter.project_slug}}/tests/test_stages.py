@@ -29,8 +29,9 @@ from {{ cookiecutter.package_name }}.weights import write_random
         (b"GIF89a not what we take", "not a JPEG or PNG"),
         (png_header(30000, 30000), "too large"),
         (png_header(8000, 6000), "too large"),
+        (png_header(40000, 1), "too narrow"),
     ],
-    ids=["empty", "not-an-image", "bomb-30000x30000", "over-limit"],
+    ids=["empty", "not-an-image", "bomb-30000x30000", "over-limit", "thin-40000x1"],
 )
 def test_inspect_rejects_before_decoding(data, message):
     with pytest.raises(InvalidImage, match=message):

@@ -13,25 +13,22 @@ REPOSITORY = Path("model_repository")
 
 def serve(args) -> int:
     from .health import StubWatchdog
-    from .server import ServerSettings, TritonServer, server_flags
+    from .server import CONTAINER_TRITONSERVER, ServerSettings, TritonServer, print_model_states, server_flags
 
-    server = TritonServer(container=args.container)
-    address = args.address or ("0.0.0.0" if server.container else "127.0.0.1")
-    server.settings = settings = ServerSettings(
-        args.model_repository, args.http_port, args.grpc_port, args.metrics_port, address=address
-    )
+    container = CONTAINER_TRITONSERVER.is_dir() if args.container is None else args.container
+    address = args.address or ("0.0.0.0" if container else "127.0.0.1")
+    settings = ServerSettings(args.model_repository, args.http_port, args.grpc_port, args.metrics_port, address=address)
     if args.print_flags:
         print("\n".join(server_flags(settings)))
         return 0
-    print(f"starting tritonserver on {settings.model_repository} (GPUs: {settings.gpus or 'none, CPU only'})")
-    server.start()
-    # SIGTERM (docker stop) takes the Ctrl-C path below. Stopping inside the handler deadlocked: the handler's
-    # Popen.wait() cannot reap while the interrupted outer wait() holds Popen's wait lock.
+    # SIGTERM (docker stop) and SIGHUP (terminal closed) take the Ctrl-C path below. Stopping inside a handler
+    # deadlocked: its Popen.wait() cannot reap while the interrupted outer wait() holds Popen's wait lock.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.default_int_handler)
+    print(f"starting tritonserver on {settings.model_repository} (GPUs: {settings.gpus or 'none, CPU only'})")
+    server = TritonServer(settings, container=container).start()
     try:
-        server.wait_ready(
-            args.timeout, progress=lambda s: print("models:", ", ".join(f"{k} {v}" for k, v in s.items()))
-        )
+        server.wait_ready(args.timeout, progress=print_model_states)
         print(
             f"ready.  gRPC localhost:{settings.grpc_port}   HTTP http://localhost:{settings.http_port}"
             f"   metrics http://localhost:{settings.metrics_port}/metrics   (Ctrl-C stops)"

@@ -7,6 +7,7 @@ no GPU needed. In the container it is the image's own /opt/tritonserver. Both ge
 
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import importlib.util
 import os
@@ -32,8 +33,9 @@ RESTRICTED_APIS = "model-repository,shared-memory,statistics,trace,logging"
 
 def visible_gpus() -> list[int]:
     """GPU ids the server will see, without initializing CUDA in this process."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
-        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:  # the server numbers the GPUs it is given from 0
+        return list(range(len([d for d in visible.split(",") if d.strip()])))
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
@@ -179,6 +181,19 @@ def local_environment() -> dict[str, str]:
     return env
 
 
+def print_model_states(states: dict[str, str]) -> None:
+    """A `progress` for TritonServer.wait_ready()."""
+    print("models:", ", ".join(f"{name} {state}" for name, state in states.items()), flush=True)
+
+
+def _terminate_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+
+
 class TritonServer:
     """A tritonserver process: start, wait until ready, stop. Usable as a context manager."""
 
@@ -201,8 +216,14 @@ class TritonServer:
     def start(self) -> TritonServer:
         argv, env = self.command()
         # A session of its own: Ctrl-C in a terminal reaches this process, which drains first (stop()).
+        # Should this process die without stopping it, the kernel sends the server SIGTERM.
         self.process = subprocess.Popen(
-            argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            argv,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_terminate_with_parent,
         )
         return self
 

@@ -16,6 +16,9 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ACCEPTED_FORMATS = ("JPEG", "PNG")
+# Resizing the short side to 256 makes the long side 256 x the aspect ratio: a 40000x1 PNG of 92 bytes would
+# ask for gigabytes. Panoramas up to this ratio are served.
+MAX_ASPECT_RATIO = 32
 
 
 class InvalidImage(ValueError):
@@ -35,6 +38,8 @@ def inspect_image(data: bytes, max_pixels: int) -> tuple[str, int, int]:
         raise InvalidImage(f"not a JPEG or PNG image ({len(data)} bytes starting {data[:8]!r})") from None
     if width * height > max_pixels:
         raise InvalidImage(f"image too large: {width}x{height} is over the limit of {max_pixels} pixels")
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise InvalidImage(f"image too narrow: {width}x{height} is beyond the {MAX_ASPECT_RATIO}:1 aspect ratio limit")
     return fmt, width, height
 
 
@@ -80,22 +85,22 @@ class Preprocess:
             raise InvalidImage(f"cannot decode image: {exc}") from None
         return torch.from_numpy(rgb.copy()).permute(2, 0, 1)
 
-    def normalize(self, images: list[torch.Tensor]) -> torch.Tensor:
-        """Decoded uint8 images -> one [B, 3, crop, crop] batch in `dtype`."""
-        batch = torch.stack([self.resize_and_crop(image) for image in images])
-        pixels = (batch.float() / 255 - self.mean) / self.std
+    def normalize(self, crops: list[torch.Tensor]) -> torch.Tensor:
+        """Resized and cropped uint8 images -> one normalized [B, 3, crop, crop] batch in `dtype`."""
+        pixels = (torch.stack(crops).float() / 255 - self.mean) / self.std
         return pixels.to(self.dtype)
 
     def batch(self, groups: list[list[bytes]]) -> list[torch.Tensor | InvalidImage]:
         """Preprocess several requests at once: one result per group, pixels or the group's first error.
 
-        All valid images go through resize/crop/normalize together; each group's pixels are a view
-        into that one batch (no copy), so a bad image fails its own group only.
+        Each image is resized and cropped as soon as it is decoded, so at most one full-size image is held at a
+        time; the crops are normalized together, and each group's pixels are a view into that one batch (no
+        copy). A bad image fails its own group only.
         """
         decoded: list[list[torch.Tensor] | InvalidImage] = []
         for group in groups:
             try:
-                decoded.append([self.decode(data) for data in group])
+                decoded.append([self.resize_and_crop(self.decode(data)) for data in group])
             except InvalidImage as exc:
                 decoded.append(exc)
         good = [images for images in decoded if not isinstance(images, InvalidImage)]
