@@ -27,6 +27,7 @@ def serve(args) -> int:
     signal.signal(signal.SIGHUP, signal.default_int_handler)
     print(f"starting tritonserver on {settings.model_repository} (GPUs: {settings.gpus or 'none, CPU only'})")
     server = TritonServer(settings, container=container).start()
+    watchdog = StubWatchdog(server.grpc_url, settings.admin_headers, interval_s=args.watchdog_interval)
     try:
         server.wait_ready(args.timeout, progress=print_model_states)
         print(
@@ -35,15 +36,15 @@ def serve(args) -> int:
         )
         if not os.environ.get("TRITON_ADMIN_KEY"):
             print(f"admin APIs (model load/unload, statistics, ...) need the key {settings.admin_key}")
-        watchdog = StubWatchdog(server.grpc_url, settings.admin_headers, interval_s=args.watchdog_interval)
         if args.watchdog_interval > 0:
             watchdog.start()
-        return server.process.wait()
+        server.process.wait()
     except KeyboardInterrupt:
         print("stopping (in-flight requests finish first)...")
-        return server.stop() or 0
     finally:
-        server.stop()
+        watchdog.stop()  # no reloads while the server drains and stops
+        returncode = server.stop()  # the exit code, also when the server had already exited
+    return returncode or 0
 
 
 def health(args) -> int:

@@ -7,6 +7,7 @@ So health here means an answer to a real request, and recovery means reloading t
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import re
@@ -20,6 +21,7 @@ from PIL import Image
 DEAD_STUB = re.compile(r"Stub process '(?P<model>.+?)_\d+_\d+' is not healthy")
 
 
+@functools.cache
 def probe_image() -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (32, 32), (120, 140, 160)).save(buffer, format="PNG")
@@ -53,7 +55,6 @@ class StubWatchdog(threading.Thread):
     def __init__(self, url: str, admin_headers: dict[str, str], interval_s: float = 10, log=print):
         super().__init__(name="stub-watchdog", daemon=True)
         self.url, self.admin_headers, self.interval_s, self.log = url, admin_headers, interval_s, log
-        self.reloads: list[str] = []
         self.stopped = threading.Event()
 
     def check(self) -> list[str]:
@@ -69,7 +70,6 @@ class StubWatchdog(threading.Thread):
                     self.log(f"watchdog: the stub of {model!r} is dead; reloading {model}")
                     restart(client, model, self.admin_headers)
                     reloaded.append(model)
-        self.reloads += reloaded
         return reloaded
 
     def run(self) -> None:
