@@ -161,7 +161,13 @@ def main(argv=None) -> dict:
         metavar="MODEL=COUNT",
         help="instance counts to try instead of the configs' (e.g. preprocess=4 pipeline=2)",
     )
-    parser.add_argument("--perf-analyzer", action="store_true", help="cross-check each point with perf_analyzer")
+    parser.add_argument(
+        "--perf-analyzer",
+        type=int,
+        nargs="*",
+        metavar="CONCURRENCY",
+        help="cross-check points with perf_analyzer: those of these concurrencies (none listed: every point)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
@@ -188,7 +194,7 @@ def main(argv=None) -> dict:
                         for c in args.concurrency:
                             headers = server.settings.admin_headers
                             point = run_point(server.grpc_url, model, jpegs[:n], c, args.seconds, headers=headers)
-                            if args.perf_analyzer:
+                            if args.perf_analyzer is not None and (not args.perf_analyzer or c in args.perf_analyzer):
                                 pa = perf_analyzer_point(
                                     server.grpc_url, headers, model, jpegs[0], n, c, args.seconds, Path(tmp)
                                 )
