@@ -28,7 +28,7 @@ import tritonclient.grpc as grpcclient
 from conftest import PROJECT, TRITON_DTYPES, image_input, infer, make_image
 from tritonclient.grpc import model_config_pb2
 
-from {{ cookiecutter.package_name }}.model_repository import load_config, resnet_weights, top_k
+from {{ cookiecutter.package_name }}.model_repository import load_config, python_models, resnet_weights, top_k
 from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
 from {{ cookiecutter.package_name }}.stages import Preprocess, Reference
 
@@ -122,10 +122,6 @@ def string_tensor_names(repository: Path) -> set[str]:
             if tensor.data_type == model_config_pb2.TYPE_STRING:
                 names.add(tensor.name)
     return names
-
-
-def python_models(repository: Path) -> list[str]:
-    return sorted(p.parent.parent.name for p in repository.glob("*/1/model.py"))
 
 
 def start(repository: Path, log_path: Path) -> TritonServer:
