@@ -51,8 +51,8 @@ class TritonPythonModel:
     async def preprocess(self, images):
         """(pixels or error per request, all pixels as one batch when every request succeeded).
 
-        All requests go in one call. If an image is bad that call fails, and each request is sent again on its
-        own, so that the error reaches only the request that holds the bad image.
+        All requests go in one call. If an image is bad that call fails with INVALID_ARG, and each request is sent
+        again on its own, so that the error reaches only the request that holds the bad image.
         """
         joined = images[0]
         if len(images) > 1:
@@ -61,8 +61,8 @@ class TritonPythonModel:
             batch = await self.preprocess_one(joined)
             return list(batch.split([image.shape()[0] for image in images])), batch
         except StageError as exc:
-            if len(images) == 1:
-                return [exc], None
+            if len(images) == 1 or exc.code != pb_utils.TritonError.INVALID_ARG:
+                return [exc] * len(images), None  # not an image's fault (overload, timeout): no retry
         calls = (self.preprocess_one(image) for image in images)
         return await asyncio.gather(*calls, return_exceptions=True), None
 
