@@ -20,6 +20,8 @@ import pytest
 import yaml
 from conftest import TEMPLATE, bake
 from cookiecutter.main import cookiecutter
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
 
 # Other ports, the largest batch (it sizes /dev/shm and the pool) and no ensemble.
 NON_DEFAULT = {
@@ -528,7 +530,13 @@ def test_k8s_shm_covers_the_python_backend_regions_and_fits_the_memory_limit(pro
         f.split("=", 1)[1].split(",", 1)[1].split("=") for f in flags if f.startswith("--backend-config=python,")
     )
     default, growth = int(backend["shm-default-byte-size"]), int(backend["shm-growth-byte-size"])
-    stubs = len(list((path / "model_repository").glob("*/1/model.py")))  # one stub per Python model instance
+    # One stub per Python-backend model instance (per device): the configs' instance_group counts.
+    configs = [
+        text_format.Parse(c.read_text(), model_config_pb2.ModelConfig())
+        for c in path.glob("model_repository/*/config.pbtxt")
+    ]
+    stubs = sum(g.count for c in configs if c.backend == "python" for g in c.instance_group)
+    assert stubs >= 4
     largest = int(answers["max_batch_size"]) * PIXELS_BYTES
     # On the CPU every tensor travels through the stubs' regions: each starts at the default size and grows
     # in steps to hold a request's batch and the batch it hands on.
@@ -543,7 +551,7 @@ def test_k8s_shm_covers_the_python_backend_regions_and_fits_the_memory_limit(pro
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     # What the stubs write to /dev/shm is charged to the container's memory.
     requests, limits = container["resources"]["requests"], container["resources"]["limits"]
-    assert quantity(requests["memory"]) >= size + 4 * 2**30
+    assert quantity(requests["memory"]) >= size + 8 * 2**30
     assert quantity(limits["memory"]) > quantity(requests["memory"])
     assert quantity(requests["cpu"]) >= 1
 
