@@ -221,6 +221,8 @@ def probed(model_repository, tmp_path_factory):
         assert all(r.as_numpy("CLASS_IDS").shape[0] == len(b) for r, b in zip(burst, BURST))
         stubs = {r["pid"]: r for r in map(json.loads, log.read_text().splitlines()) if r["event"] == "initialize"}
         apps = compute_apps()
+        with grpcclient.InferenceServerClient(triton.grpc_url) as c:
+            groups = {m: list(c.get_model_config(m).config.instance_group) for m in models}
         headers = triton.settings.admin_headers
         with grpcclient.InferenceServerClient(triton.grpc_url) as c:
             for model in ["pipeline", "ensemble", "preprocess", "resnet", "postprocess"]:
@@ -245,6 +247,7 @@ def probed(model_repository, tmp_path_factory):
         "images": images,
         "stubs": stubs,
         "compute_apps": apps,
+        "instance_groups": groups,
     }
 
 
@@ -431,12 +434,10 @@ def arrivals_from_other_gpus(probed) -> dict[str, int]:
 
 
 @multi_gpu
-def test_every_stage_has_an_instance_on_every_gpu_and_each_one_worked(server, probed):
-    with grpcclient.InferenceServerClient(server.grpc_url) as c:
-        for model in probed["models"]:
-            groups = c.get_model_config(model).config.instance_group
-            kinds = {model_config_pb2.ModelInstanceGroup.Kind.Name(g.kind) for g in groups}
-            assert kinds == {"KIND_GPU"} and {gpu for g in groups for gpu in g.gpus} == set(range(GPUS)), model
+def test_multi_gpu_every_stage_has_an_instance_on_every_gpu_and_each_one_worked(probed):
+    for model, groups in probed["instance_groups"].items():
+        kinds = {model_config_pb2.ModelInstanceGroup.Kind.Name(g.kind) for g in groups}
+        assert kinds == {"KIND_GPU"} and {gpu for g in groups for gpu in g.gpus} == set(range(GPUS)), (model, groups)
     placed = {(r["model"], r["instance_device"]) for r in probed["instances"].values()}
     assert placed == {(m, gpu) for m in probed["models"] for gpu in range(GPUS)}
     # The burst of concurrent requests reached every instance: otherwise this proves nothing about GPU 1.
@@ -445,7 +446,7 @@ def test_every_stage_has_an_instance_on_every_gpu_and_each_one_worked(server, pr
 
 
 @multi_gpu
-def test_what_each_instance_hands_on_and_gets_back_is_on_its_own_gpu(probed):
+def test_multi_gpu_what_each_instance_hands_on_and_gets_back_is_on_its_own_gpu(probed):
     tensors = [r for r in probed["rows"] if r["event"] == "tensor"]
     # In host memory on purpose: the top-k results, which only go back to the client.
     host = {
@@ -470,9 +471,7 @@ def test_what_each_instance_hands_on_and_gets_back_is_on_its_own_gpu(probed):
 
 
 @multi_gpu
-def test_each_instance_computes_on_its_own_gpu_with_no_host_copy_and_peer_copies_only_for_inputs_from_elsewhere(
-    probed,
-):
+def test_multi_gpu_instances_compute_on_their_gpu_with_peer_copies_only_for_inputs_from_elsewhere(probed):
     assert set(probed["traces"]) == set(probed["instances"])
     crossed = arrivals_from_other_gpus(probed)
     for instance, trace in probed["traces"].items():
@@ -492,7 +491,7 @@ def test_each_instance_computes_on_its_own_gpu_with_no_host_copy_and_peer_copies
 
 
 @multi_gpu
-def test_a_stub_touches_no_other_gpu_unless_it_was_handed_a_tensor_from_there(probed):
+def test_multi_gpu_a_stub_touches_no_other_gpu_unless_it_was_handed_a_tensor_from_there(probed):
     seen = {pid: gpus for pid, gpus in probed["compute_apps"].items() if pid in probed["stubs"]}
     if not seen:
         pytest.skip("nvidia-smi lists no process of this machine's stubs (a container without the host's PIDs?)")
