@@ -209,6 +209,8 @@ class GpuSampler:
             handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
         except Exception:  # no NVML (no GPU, or nvidia-ml-py missing): no samples
             return
+        if not handles:  # the server sees no GPU
+            return
         while not self._stop.wait(self.interval_s):
             self.samples.append(
                 [
