@@ -7,8 +7,10 @@ What they prove on a real tritonserver with the baked model repository:
   (CUPTI, through torch.profiler, inside each stub);
 - answers match the same stages run in-process on the same GPU;
 - GPU memory does not grow over 1,000 requests;
-- with two GPUs or more: every stage has an instance on every GPU, each instance saw only tensors on its own
-  GPU at every hop, ran kernels only there, made no peer-to-peer copy, and holds a CUDA context only there.
+- with two GPUs or more: every stage has instances on every GPU and each one works; what an instance hands on
+  and what its BLS calls return is on its own GPU (server issue #6783); its kernels run only there; it copies to
+  the host only the top-k results and between GPUs only inputs that Triton routed to it from another GPU; a stub
+  that received none holds a CUDA context only on its own GPU.
 
 The probes live in a test-only copy of the model repository: each stage's model.py is renamed stage_model.py
 and wrapped by a generated model.py that records, then delegates. The user's model.py files stay as they are.
