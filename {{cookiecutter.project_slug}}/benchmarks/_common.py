@@ -202,8 +202,14 @@ class GpuSampler:
             import pynvml
 
             pynvml.nvmlInit()
-            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            indices = range(pynvml.nvmlDeviceGetCount())
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # NVML numbers every GPU of the host: the server's only
+            if visible is not None:
+                indices = [int(d) for d in visible.split(",") if d.strip().isdigit()]
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
         except Exception:  # no NVML (no GPU, or nvidia-ml-py missing): no samples
+            return
+        if not handles:  # the server sees no GPU
             return
         while not self._stop.wait(self.interval_s):
             self.samples.append(

@@ -6,7 +6,11 @@ What they prove on a real tritonserver with the baked model repository:
 - no stage copies device -> host, except the top-k class ids that postprocess turns into labels
   (CUPTI, through torch.profiler, inside each stub);
 - answers match the same stages run in-process on the same GPU;
-- GPU memory does not grow over 1,000 requests.
+- GPU memory does not grow over 1,000 requests;
+- with two GPUs or more: every stage has instances on every GPU and each one works; what an instance hands on
+  and what its BLS calls return is on its own GPU (server issue #6783); its kernels run only there; it copies to
+  the host only the top-k results and between GPUs only inputs that Triton routed to it from another GPU; a stub
+  that received none holds a CUDA context only on its own GPU.
 
 The probes live in a test-only copy of the model repository: each stage's model.py is renamed stage_model.py
 and wrapped by a generated model.py that records, then delegates. The user's model.py files stay as they are.
@@ -15,6 +19,7 @@ and wrapped by a generated model.py that records, then delegates. The user's mod
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -60,10 +65,21 @@ def write(**row):
         f.write(json.dumps(row) + "\\n")
 
 
+INSTANCE = {}  # this stub's instance: one stub process per model instance
+
+
+def device_of(t):
+    """The tensor's GPU index (DLPack device id), or None in host memory."""
+    try:
+        return None if t.is_cpu() else int(t.__dlpack_device__()[1])
+    except Exception as exc:  # recorded: the test fails on it rather than the stage
+        return f"unknown: {exc}"
+
+
 def where(hop, tensors):
     for t in tensors:
         if t.name() not in STRINGS:
-            write(event="tensor", hop=hop, name=t.name(), is_cpu=t.is_cpu())
+            write(event="tensor", hop=hop, name=t.name(), is_cpu=t.is_cpu(), device=device_of(t), **INSTANCE)
 
 
 _infer = python_backend.Instance.infer
@@ -87,12 +103,15 @@ class TritonPythonModel:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         self.model = module.TritonPythonModel()
-        write(event="initialize", model=self.name, kind=args["model_instance_kind"])
+        gpu = int(args["model_instance_device_id"]) if args["model_instance_kind"] == "GPU" else None
+        INSTANCE.update(instance=args["model_instance_name"], instance_device=gpu)
+        write(event="initialize", model=self.name, kind=args["model_instance_kind"], **INSTANCE)
         self.model.initialize(args)
         self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         self.profiler.__enter__()
 
     async def execute(self, requests):
+        write(event="execute", model=self.name, requests=len(requests), **INSTANCE)
         for request in requests:
             where(f"server->{self.name}", request.inputs())
         responses = self.model.execute(requests)
@@ -106,9 +125,9 @@ class TritonPythonModel:
     def finalize(self):
         torch.cuda.synchronize()
         self.profiler.__exit__(None, None, None)
-        trace = LOG.with_name(f"trace-{self.name}.json")
+        trace = LOG.with_name(f"trace-{INSTANCE['instance']}.json")
         self.profiler.export_chrome_trace(str(trace))
-        write(event="finalize", model=self.name, trace=str(trace))
+        write(event="finalize", model=self.name, trace=str(trace), **INSTANCE)
         if hasattr(self.model, "finalize"):
             self.model.finalize()
 '''
@@ -140,8 +159,38 @@ MAX_BATCH = load_config(PROJECT / "model_repository" / "pipeline").max_batch_siz
 BATCHES = [[make_image(100 + i, size=(320 + 16 * i, 240)) for i in range(min(n, MAX_BATCH))] for n in (1, 3, 8, 2)]
 
 
+GPUS = torch.cuda.device_count()
+# Enough requests in flight that every instance of every stage, on every GPU, gets work.
+BURST = [[make_image(300 + i, size=(300 + 8 * (i % 5), 250)) for i in range(min(4, MAX_BATCH))] for _ in range(96)]
+
+
 def finalized(log: Path) -> set[str]:
-    return {r["model"] for r in map(json.loads, log.read_text().splitlines()) if r["event"] == "finalize"}
+    return {r["instance"] for r in map(json.loads, log.read_text().splitlines()) if r["event"] == "finalize"}
+
+
+def initialized(log: Path) -> set[str]:
+    return {r["instance"] for r in map(json.loads, log.read_text().splitlines()) if r["event"] == "initialize"}
+
+
+def compute_apps() -> dict[int, set[int]]:
+    """pid -> the GPU indices (as this process numbers them) where nvidia-smi lists it with a CUDA context."""
+
+    def query(what: str, fields: str) -> list[list[str]]:
+        try:
+            argv = ["nvidia-smi", f"--query-{what}={fields}", "--format=csv,noheader"]
+            out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return []
+        return [[v.strip() for v in line.split(",")] for line in out.splitlines() if line.strip()]
+
+    physical = {uuid: int(index) for index, uuid in query("gpu", "index,uuid")}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    order = [int(d) for d in visible.split(",") if d.strip()] if visible else sorted(physical.values())
+    apps: dict[int, set[int]] = {}
+    for pid, uuid in query("compute-apps", "pid,gpu_uuid"):
+        if physical.get(uuid) in order:
+            apps.setdefault(int(pid), set()).add(order.index(physical[uuid]))
+    return apps
 
 
 @pytest.fixture(scope="module")
@@ -167,20 +216,50 @@ def probed(model_repository, tmp_path_factory):
             for m in entry_points
             for i, images in enumerate(BATCHES)
         }
+        # Both entry points, so that every stage (postprocess too, which only the ensemble calls) is busy.
+        calls = [(entry_points[i % len(entry_points)], images) for i, images in enumerate(BURST)]
+        with ThreadPoolExecutor(32) as pool:
+            burst = list(pool.map(lambda call: infer(triton.grpc_url, [image_input(call[1])], call[0]), calls))
+        assert all(r.as_numpy("CLASS_IDS").shape[0] == len(b) for r, b in zip(burst, BURST))
+        stubs = {r["pid"]: r for r in map(json.loads, log.read_text().splitlines()) if r["event"] == "initialize"}
+        apps = compute_apps()
+        with grpcclient.InferenceServerClient(triton.grpc_url) as c:
+            groups = {m: list(c.get_model_config(m).config.instance_group) for m in models}
         headers = triton.settings.admin_headers
         with grpcclient.InferenceServerClient(triton.grpc_url) as c:
             for model in ["pipeline", "ensemble", "preprocess", "resnet", "postprocess"]:
                 if model in entry_points or model in models:
                     c.unload_model(model, headers=headers)
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(finalized(log)) < len(models):
+        while time.monotonic() < deadline and not initialized(log) <= finalized(log):
             time.sleep(0.5)
     finally:
         triton.stop()  # unloads what is left: finalize runs in each stub before the server exits
         print((work / "tritonserver.log").read_text()[-3000:])
     rows = [json.loads(line) for line in log.read_text().splitlines()]
-    traces = {r["model"]: json.loads(Path(r["trace"]).read_text()) for r in rows if r["event"] == "finalize"}
-    return {"rows": rows, "traces": traces, "results": results, "models": models}
+    finals = [r for r in rows if r["event"] == "finalize"]
+    traces = {r["instance"]: json.loads(Path(r["trace"]).read_text()) for r in finals}
+    images = len(entry_points) * sum(len(b) for b in BATCHES) + sum(len(b) for b in BURST)
+    return {
+        "rows": rows,
+        "traces": traces,
+        "instances": {r["instance"]: r for r in rows if r["event"] == "initialize"},
+        "results": results,
+        "models": models,
+        "images": images,
+        "stubs": stubs,
+        "compute_apps": apps,
+        "instance_groups": groups,
+    }
+
+
+def model_traces(probed) -> dict[str, list[dict]]:
+    """Model -> the CUDA trace events of all its instances."""
+    events: dict[str, list[dict]] = {}
+    for instance, trace in probed["traces"].items():
+        model = probed["instances"][instance]["model"]
+        events.setdefault(model, []).extend(trace.get("traceEvents", []))
+    return events
 
 
 def test_gpu_preprocess_decodes_on_the_device_and_matches_the_cpu():
@@ -265,29 +344,29 @@ def test_every_stage_sees_its_tensors_on_the_gpu(probed, model_repository):
     assert on_cpu == [], f"tensors on the CPU: {on_cpu}"
 
 
-def device_to_host(trace: dict) -> list[dict]:
+def copies(events: list[dict], kind: str) -> list[dict]:
+    """The memcpy events of one kind (DtoH, HtoD, DtoD, PtoP) in a CUDA trace."""
     return [
-        {"name": e["name"], "bytes": e.get("args", {}).get("bytes")}
-        for e in trace.get("traceEvents", [])
-        if e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")
+        {"name": e["name"], "bytes": e.get("args", {}).get("bytes"), "device": e.get("args", {}).get("device")}
+        for e in events
+        if e.get("cat") == "gpu_memcpy" and kind in e.get("name", "")
     ]
 
 
 def test_the_gpu_path_makes_no_device_to_host_copy(probed, model_repository):
-    assert set(probed["traces"]) == set(probed["models"])
-    copies = {model: device_to_host(trace) for model, trace in probed["traces"].items()}
-    print(json.dumps(copies))
-    kernels = sum(e.get("cat") == "kernel" for e in probed["traces"]["resnet"].get("traceEvents", []))
+    traces = model_traces(probed)
+    assert set(traces) == set(probed["models"])
+    to_host = {model: copies(events, "DtoH") for model, events in traces.items()}
+    print(json.dumps(to_host))
+    kernels = sum(e.get("cat") == "kernel" for e in traces["resnet"])
     assert kernels > 0, "the profiler saw no kernel in resnet: CUPTI saw nothing, so this test would prove nothing"
     # The only device->host copies: the top-k results, FP32 scores and int64 class ids (labels are looked up on
     # the host), made by whichever model runs the top-k: postprocess, or the pipeline itself. Each answered image
     # costs k * 12 bytes there, and nothing else crosses to the host.
     k = top_k(model_repository)
-    entry_points = [m for m in ("pipeline", "ensemble") if (model_repository / m).is_dir()]
-    images = len(entry_points) * sum(len(b) for b in BATCHES)
-    top_k_bytes = sum(c["bytes"] for model in ("postprocess", "pipeline") for c in copies.pop(model, []))
-    assert 0 < top_k_bytes <= images * k * 12
-    assert copies == {model: [] for model in copies}
+    top_k_bytes = sum(c["bytes"] for model in ("postprocess", "pipeline") for c in to_host.pop(model, []))
+    assert 0 < top_k_bytes <= probed["images"] * k * 12
+    assert to_host == {model: [] for model in to_host}
 
 
 @pytest.fixture(scope="module")
@@ -333,3 +412,97 @@ def test_gpu_memory_does_not_grow_over_1000_requests(server):
         after = gpu_memory_used_mib()
     print(f"GPU memory used: {before} MiB before, {after} MiB after 1,000 requests")
     assert after - before <= 64
+
+
+# --- every GPU of the host ------------------------------------------------------------------------------------
+#
+# Triton sends a BLS call (or an ensemble step) to any instance of the called model, whatever GPU the caller is
+# on, and hands the callee its input where the caller left it (the Python backend keeps a GPU input on its
+# source device). What an instance controls stays on its own GPU: what it hands on, what its BLS calls return
+# (preferred_memory with its device id; server issue #6783), where its kernels run. An input that comes from
+# another GPU is moved by Instance.to_torch with one peer copy. These tests hold each part to that, and print
+# how often a call crossed GPUs.
+
+multi_gpu = pytest.mark.skipif(GPUS < 2, reason="needs two GPUs or more")
+
+
+def arrivals_from_other_gpus(probed) -> dict[str, int]:
+    """Instance -> how many GPU tensors the server handed it on another GPU than its own."""
+    counts = {instance: 0 for instance in probed["instances"]}
+    for r in probed["rows"]:
+        if r["event"] == "tensor" and r["hop"].startswith("server->") and not r["is_cpu"]:
+            counts[r["instance"]] += r["device"] != r["instance_device"]
+    return counts
+
+
+@multi_gpu
+def test_multi_gpu_every_stage_has_an_instance_on_every_gpu_and_each_one_worked(probed):
+    for model, groups in probed["instance_groups"].items():
+        kinds = {model_config_pb2.ModelInstanceGroup.Kind.Name(g.kind) for g in groups}
+        assert kinds == {"KIND_GPU"} and {gpu for g in groups for gpu in g.gpus} == set(range(GPUS)), (model, groups)
+    placed = {(r["model"], r["instance_device"]) for r in probed["instances"].values()}
+    assert placed == {(m, gpu) for m in probed["models"] for gpu in range(GPUS)}
+    # The burst of concurrent requests reached every instance: otherwise this proves nothing about GPU 1.
+    worked = {(r["model"], r["instance_device"]) for r in probed["rows"] if r["event"] == "execute"}
+    assert worked == placed, f"idle instances: {sorted(placed - worked)}"
+
+
+@multi_gpu
+def test_multi_gpu_what_each_instance_hands_on_and_gets_back_is_on_its_own_gpu(probed):
+    tensors = [r for r in probed["rows"] if r["event"] == "tensor"]
+    # In host memory on purpose: the top-k results, which only go back to the client.
+    host = {
+        (f"{m}->{to}", n)
+        for m in ("postprocess", "pipeline")
+        for to in ("server", "pipeline")
+        for n in ("SCORES", "CLASS_IDS")
+    }
+    # Every hop but the server's deliveries: the instance's own outputs, its BLS inputs and its BLS results.
+    owned = [r for r in tensors if not r["hop"].startswith("server->") and (r["hop"], r["name"]) not in host]
+    elsewhere = sorted(
+        {(r["instance"], r["hop"], r["name"], r["device"]) for r in owned if r["device"] != r["instance_device"]}
+    )
+    print(f"{len(owned)} tensors an instance produced or got back from a BLS call; elsewhere: {elsewhere}")
+    assert elsewhere == [], "(instance, hop, tensor, device) not on the instance's own GPU"
+    hops = {(r["hop"], r["instance_device"]) for r in owned}
+    for hop in ("preprocess->pipeline", "resnet->pipeline", "pipeline->resnet", "preprocess->server", "resnet->server"):
+        assert {(hop, gpu) for gpu in range(GPUS)} <= hops, f"{hop} not seen on every GPU"
+    crossed = arrivals_from_other_gpus(probed)
+    delivered = sum(r["hop"].startswith("server->") and not r["is_cpu"] for r in tensors)
+    print(f"GPU inputs the server delivered from another GPU: {sum(crossed.values())} of {delivered}: {crossed}")
+
+
+@multi_gpu
+def test_multi_gpu_instances_compute_on_their_gpu_with_peer_copies_only_for_inputs_from_elsewhere(probed):
+    assert set(probed["traces"]) == set(probed["instances"])
+    crossed = arrivals_from_other_gpus(probed)
+    for instance, trace in probed["traces"].items():
+        gpu, model = probed["instances"][instance]["instance_device"], probed["instances"][instance]["model"]
+        events = trace.get("traceEvents", [])
+        kernels = {e.get("args", {}).get("device") for e in events if e.get("cat") == "kernel"}
+        assert kernels <= {gpu}, f"{instance} (cuda:{gpu}) ran kernels on devices {kernels}"
+        peer = copies(events, "PtoP")
+        assert len(peer) <= crossed[instance], (
+            f"{instance}: {len(peer)} peer copies, {crossed[instance]} inputs from elsewhere"
+        )
+        to_host = copies(events, "DtoH")
+        # the top-k results only, by whichever model runs the top-k (test_the_gpu_path_makes_no_device_to_host_copy)
+        assert model in ("postprocess", "pipeline") or to_host == [], f"{instance} copied to the host: {to_host}"
+    busy = {probed["instances"][i]["instance_device"] for i, t in probed["traces"].items() if t.get("traceEvents")}
+    assert busy == set(range(GPUS)), "CUPTI saw no work on some GPU: this test would prove nothing there"
+
+
+@multi_gpu
+def test_multi_gpu_a_stub_touches_no_other_gpu_unless_it_was_handed_a_tensor_from_there(probed):
+    seen = {pid: gpus for pid, gpus in probed["compute_apps"].items() if pid in probed["stubs"]}
+    if not seen:
+        pytest.skip("nvidia-smi lists no process of this machine's stubs (a container without the host's PIDs?)")
+    crossed = arrivals_from_other_gpus(probed)
+    print({probed["stubs"][pid]["instance"]: sorted(gpus) for pid, gpus in seen.items()})
+    assert len(seen) == len(probed["stubs"]), "nvidia-smi lists some stubs and not others"
+    for pid, gpus in seen.items():
+        stub = probed["stubs"][pid]
+        assert stub["instance_device"] in gpus
+        # The pipeline's execute() runs on the stub's event-loop thread: Instance.bind() keeps it off cuda:0.
+        if not crossed[stub["instance"]]:
+            assert gpus == {stub["instance_device"]}, f"{stub['instance']} holds CUDA contexts on GPUs {sorted(gpus)}"

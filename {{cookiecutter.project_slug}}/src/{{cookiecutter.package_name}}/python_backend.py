@@ -2,7 +2,7 @@
 
 Only importable inside Triton's Python backend stub (it imports `triton_python_backend_utils`).
 The zero-copy rules live here, once:
-- tensors stay on the instance's own device (`model_instance_device_id`);
+- tensors stay on the instance's own device (`model_instance_device_id`), on every thread the stub runs it on;
 - Triton tensors become torch tensors and back through DLPack, never `as_numpy()` (strings excepted);
 - a torch tensor handed to Triton stays referenced by the pb_utils.Tensor built from it, until the response
   carrying it has been sent; nobody writes into a tensor received from another stage.
@@ -56,6 +56,16 @@ class Instance:
         self.host_memory = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
         self.parameters = {k: v["string_value"] for k, v in self.config.get("parameters", {}).items()}
 
+    def bind(self) -> None:
+        """Make this instance's GPU the calling thread's current CUDA device.
+
+        The stub runs an `async def execute` on an event-loop thread of its own, where the current device is
+        still cuda:0: without this, an instance on cuda:1 would create a CUDA context, streams and DLPack
+        synchronization on cuda:0 (the same class of bug as Triton server issue #6783).
+        """
+        if self.on_gpu and torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)
+
     def dtype(self, name: str) -> torch.dtype:
         """The torch dtype the config declares for input or output `name`."""
         for tensor in self.config["input"] + self.config["output"]:
@@ -65,6 +75,7 @@ class Instance:
 
     def to_torch(self, tensor: pb_utils.Tensor) -> torch.Tensor:
         """Zero-copy view of a Triton tensor, on this instance's device (copied only if it is elsewhere)."""
+        self.bind()
         return from_dlpack(tensor.to_dlpack()).to(self.device)
 
     def input(self, request, name: str) -> torch.Tensor:
@@ -79,6 +90,7 @@ class Instance:
         `on_host`: for string outputs (with GPU preferred memory Triton puts them on the GPU too, where
         `as_numpy()` cannot read them) and for results that only go back to the client anyway.
         """
+        self.bind()
         request = pb_utils.InferenceRequest(
             model_name=model_name,
             inputs=inputs,
@@ -96,8 +108,13 @@ class Instance:
 
 def to_triton(name: str, tensor: torch.Tensor) -> pb_utils.Tensor:
     """Hand a torch tensor to Triton without a copy. Passing the tensor itself (not a capsule) makes
-    pb_utils synchronize torch's current CUDA stream, so the data is complete when the next stage reads it."""
-    return pb_utils.Tensor.from_dlpack(name, tensor.contiguous())
+    pb_utils synchronize torch's current CUDA stream, so the data is complete when the next stage reads it.
+    pb_utils synchronizes through a stream of the thread's current device: that must be the tensor's own."""
+    tensor = tensor.contiguous()
+    if tensor.is_cuda:
+        with torch.cuda.device(tensor.device):
+            return pb_utils.Tensor.from_dlpack(name, tensor)
+    return pb_utils.Tensor.from_dlpack(name, tensor)
 
 
 def error_response(exc: Exception) -> pb_utils.InferenceResponse:
