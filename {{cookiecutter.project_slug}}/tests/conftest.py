@@ -22,7 +22,7 @@ from PIL import Image
 from tritonclient.grpc import model_config_pb2
 
 from {{ cookiecutter.package_name }}.client import ImageClassifier
-from {{ cookiecutter.package_name }}.model_repository import load_config, resnet_weights, top_k
+from {{ cookiecutter.package_name }}.model_repository import load_config, num_classes, resnet_weights, top_k
 from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
 from {{ cookiecutter.package_name }}.stages import Reference
 from {{ cookiecutter.package_name }}.weights import write_random
@@ -76,13 +76,13 @@ def infer(url: str, inputs: list, model: str = "pipeline") -> grpcclient.InferRe
 
 @pytest.fixture(scope="session")
 def model_repository(tmp_path_factory) -> Path:
-    """A copy of the project's model repository with deterministic random ResNet weights."""
+    """A copy of the project's model repository with deterministic random ResNet weights (its class count)."""
     if EXTERNAL_GRPC_URL:
         return Path(EXTERNAL_REPOSITORY or PROJECT / "model_repository")
     repo = tmp_path_factory.mktemp("triton") / "model_repository"
     shutil.copytree(PROJECT / "model_repository", repo, ignore=shutil.ignore_patterns("weights.pt", "__pycache__"))
     variant, weights = resnet_weights(repo)
-    write_random(variant, weights, seed=0)
+    write_random(variant, weights, seed=0, num_classes=num_classes(repo))
     return repo
 
 

@@ -17,9 +17,13 @@ class TritonPythonModel:
         if not weights.is_file():
             raise pb_utils.TritonModelException(
                 f"missing weights {weights}: run `{{ cookiecutter.project_slug }} weights pretrained` "
-                f"(downloads torchvision's) or `{{ cookiecutter.project_slug }} weights random` (offline)"
+                f"(downloads torchvision's), `{{ cookiecutter.project_slug }} weights random` (offline) "
+                f"or `{{ cookiecutter.project_slug }} weights import YOUR.pt`"
             )
-        self.classifier = Classifier(params["variant"], weights, self.instance.device, self.instance.dtype("PIXELS"))
+        classes = int(pb_utils.get_output_config_by_name(self.instance.config, "LOGITS")["dims"][0])
+        self.classifier = Classifier(
+            params["variant"], weights, self.instance.device, self.instance.dtype("PIXELS"), num_classes=classes
+        )
 
     def execute(self, requests):
         # One forward pass for every request the dynamic batcher gathered.
