@@ -163,10 +163,12 @@ def test_a_checkpoint_with_python_objects_asks_to_be_trusted_explicitly(tmp_path
 
 def test_a_canary_version_shares_the_config_and_labels(repository, resnet18_10, tmp_path):
     torch.save(resnet18_10, tmp_path / "a.pt")
-    import_weights(repository, tmp_path / "a.pt", variant="resnet18")
+    (tmp_path / "labels.txt").write_text("".join(f"mine {i}\n" for i in range(10)))
+    import_weights(repository, tmp_path / "a.pt", tmp_path / "labels.txt", variant="resnet18")
     torch.save(random_state("resnet18", seed=5, num_classes=10), tmp_path / "b.pt")
     done = import_weights(repository, tmp_path / "b.pt", version=2)
     assert done.weights == repository / "resnet" / "2" / "weights.pt"
+    assert read_labels(labels_path(repository)) == [f"mine {i}" for i in range(10)], "version 2 keeps the labels"
     assert (repository / "resnet" / "2" / "model.py").read_text() == (
         repository / "resnet" / "1" / "model.py"
     ).read_text()

@@ -61,11 +61,19 @@ def classify(args) -> int:
 
     client = ImageClassifier(args.url, args.model)
     images = [Path(p).read_bytes() for p in args.images]
-    for path, predictions in zip(args.images, client.classify(images)):
+    parameters = dict(args.param)
+    for path, predictions in zip(args.images, client.classify(images, parameters or None)):
         print(path)
         for p in predictions:
             print(f"  {p.score:7.4f}  {p.class_id:4d}  {p.label}")
     return 0
+
+
+def key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not key or not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
 
 
 def weights(args) -> int:
@@ -124,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("images", nargs="+")
     p.add_argument("--url", default="localhost:{{ cookiecutter.grpc_port }}")
     p.add_argument("--model", default="pipeline", help="pipeline (BLS) or ensemble")
+    p.add_argument(
+        "--param", type=key_value, action="append", default=[], metavar="KEY=VALUE", help="a request parameter"
+    )
     p.set_defaults(run=classify)
 
     p = commands.add_parser("weights", help="write the ResNet weights, labels.txt and the configs that depend on them")

@@ -71,16 +71,24 @@ class Instance:
         return self.to_torch(pb_utils.get_input_tensor_by_name(request, name))
 
     async def infer(
-        self, model_name: str, inputs: list, outputs: list[str], timeout_us: int = 0, on_host: bool = False
+        self,
+        model_name: str,
+        inputs: list,
+        outputs: list[str],
+        timeout_us: int = 0,
+        on_host: bool = False,
+        model_version: int = -1,
     ) -> dict:
         """One BLS call; returns {output name: pb_utils.Tensor}, raises StageError on failure.
 
         Results land in this instance's memory (GPU or CPU) through `preferred_memory`, or in host memory with
         `on_host`: for string outputs (with GPU preferred memory Triton puts them on the GPU too, where
         `as_numpy()` cannot read them) and for results that only go back to the client anyway.
+        `model_version` pins a version of the model (-1: the newest loaded one).
         """
         request = pb_utils.InferenceRequest(
             model_name=model_name,
+            model_version=model_version,
             inputs=inputs,
             requested_output_names=outputs,
             preferred_memory=self.host_memory if on_host else self.preferred_memory,

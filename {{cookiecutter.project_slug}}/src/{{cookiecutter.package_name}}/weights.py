@@ -153,18 +153,19 @@ def install(
     """
     repository = Path(repository)
     classes = check_state_dict(state, variant)
-    labels = default_labels(classes) if labels is None else labels
-    if len(labels) != classes:
-        raise WeightsError(
-            f"fc has {classes} outputs but the labels file has {len(labels)} lines: "
-            f"give one label per class, line i naming class i ({classes} lines)"
-        )
     configured_variant = repo.resnet_weights(repository)[0]
     if version != 1 and (variant, classes) != (configured_variant, repo.num_classes(repository)):
         raise WeightsError(
             f"every resnet version shares config.pbtxt and labels.txt ({configured_variant}, "
             f"{repo.num_classes(repository)} classes), this is a {variant} with {classes}: import it "
             "as version 1 to replace the model, or export your other version with the same architecture"
+        )
+    if labels is None:  # another version shares the model's labels; a new model gets the default ones
+        labels = read_labels(repo.labels_path(repository)) if version != 1 else default_labels(classes)
+    if len(labels) != classes:
+        raise WeightsError(
+            f"fc has {classes} outputs but the labels file has {len(labels)} lines: "
+            f"give one label per class, line i naming class i ({classes} lines)"
         )
     k = repo.top_k(repository) if top_k is None else top_k
     if not 1 <= k <= classes:
