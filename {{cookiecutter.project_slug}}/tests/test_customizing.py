@@ -1,18 +1,22 @@
 """docs/customizing.md, recipe by recipe, against a real tritonserver over gRPC.
 
 The guide's `weights import` commands are run and its diffs applied exactly as written, in order, to a fresh copy
-of this project's model repository; one server then serves recipes 1 to 3 at once. Recipe 4, the hot reload under
-load, is tests/test_reliability.py's hot-reload test. A diff that no longer applies fails here: update the guide
-along with the file it changes.
+of this project's model repository; one server then serves them all. Recipe 4 is tested twice: its HTTP call
+promotes recipe 3's canary here, and tests/test_reliability.py loads a new pipeline version under load. A diff
+that no longer applies fails here: update the guide along with the file it changes.
 """
 
 from __future__ import annotations
 
 import io
+import re
 import shlex
 import shutil
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -218,6 +222,55 @@ def test_recipe_3_a_request_parameter_picks_the_resnet_version(server, project, 
         with grpcclient.InferenceServerClient(server.grpc_url) as client:
             pinned = client.infer("ensemble", [image_input([image])], parameters={"resnet_version": "2"})
         assert_answers(pinned, [image], references[1])
+
+
+def test_recipe_4_promoting_the_canary_under_load_loses_no_request(guide, server, project, references):
+    """Recipe 3's promotion (the pinned default becomes version 2) with recipe 4's HTTP call, as the guide writes
+    it, while two clients keep sending."""
+    (curl,) = [line for block in blocks(guide[4], "bash") for line in block.splitlines() if "curl" in line]
+    header = re.search(r'-H "([^:]+): \$TRITON_ADMIN_KEY"', curl).group(1)
+    path = re.search(r"localhost:\d+(/v2/\S+)", curl).group(1)
+    config = project / "model_repository" / "pipeline" / "config.pbtxt"
+    pinned = '{ key: "resnet_version", value: { string_value: "1" } }'
+    assert config.read_text().count(pinned) == 1
+    config.write_text(config.read_text().replace(pinned, pinned.replace('"1"', '"2"')))
+
+    image = make_image(330)
+    expected = {v: references[v]([image])[0].cpu().numpy() for v in (1, 2)}
+    stop, answers = threading.Event(), {0: [], 1: []}  # per client, in order
+
+    def client(i):
+        with grpcclient.InferenceServerClient(server.grpc_url) as c:
+            deadline = time.monotonic() + 300
+            while not stop.is_set() and time.monotonic() < deadline:
+                try:
+                    scores = c.infer("pipeline", [image_input([image])], client_timeout=120).as_numpy("SCORES")
+                    close = [v for v in (1, 2) if np.allclose(scores, expected[v], atol=1e-3)]
+                    answers[i].append(close[0] if len(close) == 1 else f"neither version: {scores}")
+                except InferenceServerException as exc:
+                    answers[i].append(f"error: {exc.message()}")
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in answers]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(1)
+        url = f"http://{server.settings.address}:{server.settings.http_port}{path}"
+        request = urllib.request.Request(url, method="POST", headers={header: server.settings.admin_key})
+        with urllib.request.urlopen(request, timeout=300) as response:
+            assert response.status == 200
+        deadline = time.monotonic() + 120
+        while any(seen[-2:] != [2, 2] for seen in answers.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    every = answers[0] + answers[1]
+    print(f"\npromotion: {every.count(1)} answered by version 1, then {every.count(2)} by version 2")
+    assert [a for a in every if a not in (1, 2)] == []
+    for seen in answers.values():  # each client: version 1, then from the switch on version 2 only
+        assert seen[0] == 1 and seen[-1] == 2 and seen == sorted(seen)
 
 
 def test_recipe_4_is_the_reliability_hot_reload_test(guide):
