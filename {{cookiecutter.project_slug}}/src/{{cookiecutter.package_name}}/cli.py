@@ -145,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     s = sources.add_parser("import", help="your own torchvision ResNet state dict or training checkpoint")
     s.add_argument("path", type=Path, help="a .pt/.pth file: a state dict, or a checkpoint holding one")
     s.add_argument("--labels", type=Path, help="class names, one per line (default: class_0, ... or ImageNet's)")
-    s.add_argument("--variant", help="resnet18/34/50/101/152 (default: the configured one)")
+    s.add_argument(
+        "--variant",
+        choices=["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"],
+        help="the architecture (default: the configured one)",
+    )
     s.add_argument("--top-k", type=int, help="classes returned per image (default: unchanged)")
     s.add_argument("--version", type=int, default=1, help="write resnet/VERSION (a canary or A/B version)")
     for s in sources.choices.values():

@@ -77,7 +77,7 @@ def set_classes(repository: Path | str, classes: int, variant: str | None = None
     resnet = load_config(repository / "resnet")
     logits = next(out for out in resnet.output if out.name == "LOGITS")
     logits.dims[:] = [classes]
-    logits.label_filename = logits.label_filename or LABELS_FILE
+    logits.label_filename = LABELS_FILE  # postprocess's labels_file parameter names the same file
     if variant is not None:
         resnet.parameters["variant"].string_value = variant
     save_config(repository / "resnet", resnet)
