@@ -51,6 +51,7 @@ deploy/kubernetes/cpu/kustomization.yaml
 deploy/kubernetes/monitoring/prometheus-adapter-values.yaml
 deploy/kubernetes/monitoring/servicemonitor.yaml
 docker/constraints.txt
+docs/customizing.md
 docs/deployment.md
 docs/kubernetes.md
 docs/performance.md
@@ -64,6 +65,7 @@ model_repository/preprocess/1/model.py
 model_repository/preprocess/config.pbtxt
 model_repository/resnet/1/model.py
 model_repository/resnet/config.pbtxt
+model_repository/resnet/labels.txt
 pyproject.toml
 scripts/compose_e2e.sh
 scripts/demo.py
@@ -77,10 +79,12 @@ src/image_classifier/server.py
 src/image_classifier/stages.py
 src/image_classifier/weights.py
 tests/conftest.py
+tests/test_customizing.py
 tests/test_e2e.py
 tests/test_gpu.py
 tests/test_reliability.py
 tests/test_stages.py
+tests/test_weights.py
 """.split()
 )
 
@@ -147,6 +151,16 @@ def test_every_config_is_a_valid_model_config_with_the_answers(baker, answers):
     assert model_config_pb2.DataType.Name(pixels.data_type) == f"TYPE_{precision.upper()}"
     variant = answers.get("resnet_variant", "resnet50")
     assert model_config(project, "resnet").parameters["variant"].string_value == variant
+    # The class count lives in resnet's labels file (Triton's label_filename); every dims value agrees with it.
+    logits = next(o for o in model_config(project, "resnet").output if o.name == "LOGITS")
+    labels = (project / "model_repository" / "resnet" / logits.label_filename).read_text().splitlines()
+    assert len(labels) == 1000 and all(labels) and labels[0] == "tench"
+    post = model_config(project, "postprocess")
+    assert list(logits.dims) == list(post.input[0].dims) == [len(labels)] and top_k <= len(labels)
+    labels_file = post.parameters["labels_file"].string_value
+    assert (project / "model_repository" / "postprocess" / labels_file).resolve() == (
+        project / "model_repository" / "resnet" / logits.label_filename
+    ).resolve()
     for entry in ("pipeline", "ensemble") if "ensemble" in models else ("pipeline",):
         config = model_config(project, entry)
         outputs = {o.name: (model_config_pb2.DataType.Name(o.data_type), list(o.dims)) for o in config.output}

@@ -24,6 +24,7 @@ from tritonclient.grpc import model_config_pb2
 from {{ cookiecutter.package_name }}.client import ImageClassifier
 from {{ cookiecutter.package_name }}.model_repository import (
     load_config,
+    num_classes,
     python_models,
     resnet_weights,
     set_instance_counts,
@@ -82,7 +83,7 @@ def infer(url: str, inputs: list, model: str = "pipeline") -> grpcclient.InferRe
 
 @pytest.fixture(scope="session")
 def model_repository(tmp_path_factory) -> Path:
-    """A copy of the project's model repository with deterministic random ResNet weights."""
+    """A copy of the project's model repository with deterministic random ResNet weights (its class count)."""
     if EXTERNAL_GRPC_URL:
         return Path(EXTERNAL_REPOSITORY or PROJECT / "model_repository")
     repo = tmp_path_factory.mktemp("triton") / "model_repository"
@@ -92,7 +93,7 @@ def model_repository(tmp_path_factory) -> Path:
         # memory, so the CPU tests run one instance per model. The GPU tests serve the shipped counts.
         set_instance_counts(repo, dict.fromkeys(python_models(repo), 1))
     variant, weights = resnet_weights(repo)
-    write_random(variant, weights, seed=0)
+    write_random(variant, weights, seed=0, num_classes=num_classes(repo))
     return repo
 
 

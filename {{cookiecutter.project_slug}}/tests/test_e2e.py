@@ -7,11 +7,14 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
+import tritonclient.grpc as grpcclient
 from conftest import image_input, infer, make_image
+from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
 from {{ cookiecutter.package_name }}.client import ImageClassifier
-from {{ cookiecutter.package_name }}.stages import imagenet_labels
+from {{ cookiecutter.package_name }}.model_repository import labels_path, load_config
+from {{ cookiecutter.package_name }}.stages import read_labels
 
 pytestmark = pytest.mark.e2e
 
@@ -35,21 +38,26 @@ def test_one_image_matches_the_in_process_reference(client, reference, fmt):
     assert_matches_reference(client.infer([image]), [image], reference)
 
 
-def test_a_batch_answers_each_image_with_sorted_top_k_and_labels(client, reference, max_batch):
+@pytest.fixture(scope="module")
+def labels(model_repository) -> list[str]:
+    """The class names the server was given: resnet's labels.txt."""
+    return read_labels(labels_path(model_repository))
+
+
+def test_a_batch_answers_each_image_with_sorted_top_k_and_labels(client, reference, max_batch, labels):
     n = min(8, max_batch)
     images = [make_image(20 + i, size=(200 + 37 * i, 180 + 11 * i), fmt="PNG" if i % 3 else "JPEG") for i in range(n)]
     result = client.infer(images)
     assert_matches_reference(result, images, reference)
-    scores, class_ids, labels = (result.as_numpy(n) for n in ("SCORES", "CLASS_IDS", "LABELS"))
-    assert scores.shape == class_ids.shape == labels.shape == (n, reference.postprocess.top_k)
+    scores, class_ids, names = (result.as_numpy(n) for n in ("SCORES", "CLASS_IDS", "LABELS"))
+    assert scores.shape == class_ids.shape == names.shape == (n, reference.postprocess.top_k)
     assert (np.diff(scores, axis=1) <= 0).all() and (scores > 0).all() and (scores.sum(1) <= 1 + 1e-5).all()
-    names = imagenet_labels()
-    assert [[label.decode() for label in row] for row in labels] == [[names[i] for i in row] for row in class_ids]
+    assert [[name.decode() for name in row] for row in names] == [[labels[i] for i in row] for row in class_ids]
 
 
-def test_client_api_returns_predictions(client):
+def test_client_api_returns_predictions(client, labels):
     (predictions,) = client.classify([make_image(30)])
-    assert len(predictions) > 0 and predictions[0].label in imagenet_labels()
+    assert len(predictions) > 0 and predictions[0].label == labels[predictions[0].class_id]
     assert predictions == sorted(predictions, key=lambda p: -p.score)
 
 
@@ -104,11 +112,32 @@ def test_a_bad_request_fails_alone_while_concurrent_good_ones_succeed(server, re
     assert answers == [expected[i % 4] if i % 5 else "StatusCode.INVALID_ARGUMENT" for i in range(40)]
 
 
-def test_cli_classify_prints_top_k(server, tmp_path):
+def test_cli_classify_prints_top_k(server, tmp_path, labels):
     path = tmp_path / "cat.jpg"
     path.write_bytes(make_image(90))
     cli = [sys.executable, "-m", "{{ cookiecutter.package_name }}.cli", "classify", str(path), "--url", server.grpc_url]
     out = subprocess.run(cli, capture_output=True, text=True, timeout=120, check=True).stdout
     lines = out.splitlines()
     assert lines[0] == str(path)
-    assert lines[1].split()[2] in " ".join(imagenet_labels())
+    score, class_id, label = lines[1].split(maxsplit=2)
+    assert label == labels[int(class_id)] and 0 < float(score) <= 1
+
+
+def test_resnet_answers_triton_classification_requests_with_its_labels_file(server, model_repository, labels):
+    """Triton's classification extension: LOGITS with class_count=k come back as "score:index:label" strings,
+    the label from resnet's `label_filename` (labels.txt)."""
+    pixels = next(i for i in load_config(model_repository / "resnet").input if i.name == "PIXELS")
+    datatype = model_config_pb2.DataType.Name(pixels.data_type).removeprefix("TYPE_")
+    data = np.random.default_rng(0).standard_normal((1, *pixels.dims))
+    data = data.astype(np.float16 if datatype == "FP16" else np.float32)  # BF16 is sent from FP32 data
+    tensor = grpcclient.InferInput("PIXELS", list(data.shape), datatype)
+    tensor.set_data_from_numpy(data)
+    k = min(3, len(labels))
+    with grpcclient.InferenceServerClient(server.grpc_url) as c:
+        result = c.infer("resnet", [tensor], outputs=[grpcclient.InferRequestedOutput("LOGITS", class_count=k)])
+        logits = c.infer("resnet", [tensor]).as_numpy("LOGITS")[0]
+    answers = [entry.decode().split(":", 2) for entry in result.as_numpy("LOGITS").reshape(-1)]
+    assert [int(index) for _, index, _ in answers] == np.argsort(-logits, kind="stable")[:k].tolist()
+    assert [label for _, _, label in answers] == [labels[int(index)] for _, index, _ in answers]
+    scores = [float(score) for score, _, _ in answers]
+    np.testing.assert_allclose(scores, np.sort(logits)[::-1][:k], atol=1e-5, rtol=1e-5)

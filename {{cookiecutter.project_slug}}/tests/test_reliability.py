@@ -200,6 +200,7 @@ def test_overload_is_rejected_fast_instead_of_queued_forever(own_server, max_bat
 
 @local_server_only
 def test_hot_reload_of_the_pipeline_under_load_loses_no_request(own_server):
+    """docs/customizing.md, recipe 4: a new pipeline version beside the running one, loaded with the admin key."""
     repo = own_server.settings.model_repository
     new_version = repo / "pipeline" / "2"
     new_version.mkdir()

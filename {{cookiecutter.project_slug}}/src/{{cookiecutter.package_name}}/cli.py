@@ -61,23 +61,41 @@ def classify(args) -> int:
 
     client = ImageClassifier(args.url, args.model)
     images = [Path(p).read_bytes() for p in args.images]
-    for path, predictions in zip(args.images, client.classify(images)):
+    parameters = dict(args.param)
+    for path, predictions in zip(args.images, client.classify(images, parameters or None)):
         print(path)
         for p in predictions:
             print(f"  {p.score:7.4f}  {p.class_id:4d}  {p.label}")
     return 0
 
 
+def key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not key or not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
+
+
 def weights(args) -> int:
     from . import weights as w
-    from .model_repository import resnet_weights
 
-    variant, path = resnet_weights(args.model_repository)
-    if args.source == "pretrained":
-        w.export_pretrained(variant, path)
-    else:
-        w.write_random(variant, path, seed=args.seed)
-    print(f"wrote {args.source} {variant} weights to {path}")
+    variant = getattr(args, "variant", None)
+    try:
+        if args.source == "import":
+            done = w.import_weights(args.model_repository, args.path, args.labels, variant, args.top_k, args.version)
+        else:
+            from .model_repository import resnet_weights
+
+            variant = resnet_weights(args.model_repository)[0]
+            state = w.pretrained_state(variant) if args.source == "pretrained" else w.random_state(variant, args.seed)
+            done = w.install(args.model_repository, state, variant)
+    except w.WeightsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"wrote {args.source} {done.variant} weights ({done.classes} classes, top-{done.top_k}) to {done.weights}, "
+        f"labels to {done.labels}; (re)start `serve` to use them"
+    )
     return 0
 
 
@@ -114,16 +132,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("images", nargs="+")
     p.add_argument("--url", default="localhost:{{ cookiecutter.grpc_port }}")
     p.add_argument("--model", default="pipeline", help="pipeline (BLS) or ensemble")
+    p.add_argument(
+        "--param", type=key_value, action="append", default=[], metavar="KEY=VALUE", help="a request parameter"
+    )
     p.set_defaults(run=classify)
 
-    p = commands.add_parser("weights", help="write model_repository/resnet/1/weights.pt")
-    p.add_argument(
-        "source",
-        choices=["pretrained", "random"],
-        help="pretrained: torchvision's ImageNet weights (internet); random: deterministic, offline",
+    p = commands.add_parser("weights", help="write the ResNet weights, labels.txt and the configs that depend on them")
+    sources = p.add_subparsers(dest="source", required=True)
+    s = sources.add_parser("pretrained", help="torchvision's ImageNet weights (downloads them: needs internet)")
+    s = sources.add_parser("random", help="deterministic random ImageNet-shaped weights, offline")
+    s.add_argument("--seed", type=int, default=0)
+    s = sources.add_parser("import", help="your own torchvision ResNet state dict or training checkpoint")
+    s.add_argument("path", type=Path, help="a .pt/.pth file: a state dict, or a checkpoint holding one")
+    s.add_argument("--labels", type=Path, help="class names, one per line (default: class_0, ... or ImageNet's)")
+    s.add_argument(
+        "--variant",
+        choices=["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"],
+        help="the architecture (default: the configured one)",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model-repository", type=Path, default=REPOSITORY)
+    s.add_argument("--top-k", type=int, help="classes returned per image (default: unchanged)")
+    s.add_argument("--version", type=int, default=1, help="write resnet/VERSION (a canary or A/B version)")
+    for s in sources.choices.values():
+        s.add_argument("--model-repository", type=Path, default=REPOSITORY)
     p.set_defaults(run=weights)
 
     args = parser.parse_args(argv)

@@ -11,12 +11,13 @@ The zero-copy rules live here, once:
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack
 
-from .stages import InvalidImage
+from .stages import InvalidImage, Postprocess, read_labels
 
 # Triton 2.51 drops the error code of a BLS response (has_error() answers INTERNAL for everything), so an
 # input error raised by one stage carries this prefix to keep INVALID_ARG on its way back to the client.
@@ -82,17 +83,25 @@ class Instance:
         return self.to_torch(pb_utils.get_input_tensor_by_name(request, name))
 
     async def infer(
-        self, model_name: str, inputs: list, outputs: list[str], timeout_us: int = 0, on_host: bool = False
+        self,
+        model_name: str,
+        inputs: list,
+        outputs: list[str],
+        timeout_us: int = 0,
+        on_host: bool = False,
+        model_version: int = -1,
     ) -> dict:
         """One BLS call; returns {output name: pb_utils.Tensor}, raises StageError on failure.
 
         Results land in this instance's memory (GPU or CPU) through `preferred_memory`, or in host memory with
         `on_host`: for string outputs (with GPU preferred memory Triton puts them on the GPU too, where
         `as_numpy()` cannot read them) and for results that only go back to the client anyway.
+        `model_version` pins a version of the model (-1: the newest loaded one).
         """
         self.bind()
         request = pb_utils.InferenceRequest(
             model_name=model_name,
+            model_version=model_version,
             inputs=inputs,
             requested_output_names=outputs,
             preferred_memory=self.host_memory if on_host else self.preferred_memory,
@@ -106,6 +115,20 @@ class Instance:
         return {name: pb_utils.get_output_tensor_by_name(response, name) for name in outputs}
 
 
+def load_postprocess(instance: Instance, args: dict, classes: int | None = None) -> Postprocess:
+    """The top-k stage for a model with a SCORES output and a `labels_file` parameter (a path relative to the
+    model's directory). Refuses to load, with the fix, if the labels, the class count and top_k disagree."""
+    top_k = pb_utils.get_output_config_by_name(instance.config, "SCORES")["dims"][0]
+    labels = read_labels(Path(args["model_repository"]) / instance.parameters["labels_file"])
+    classes = len(labels) if classes is None else classes
+    if not len(labels) == classes >= top_k:
+        raise pb_utils.TritonModelException(
+            f"{len(labels)} labels, {classes} LOGITS, top-{top_k}: labels.txt, the class count and top_k disagree;"
+            " write them together with `{{ cookiecutter.project_slug }} weights import`"
+        )
+    return Postprocess(top_k, labels)
+
+
 def to_triton(name: str, tensor: torch.Tensor) -> pb_utils.Tensor:
     """Hand a torch tensor to Triton without a copy. Passing the tensor itself (not a capsule) makes
     pb_utils synchronize torch's current CUDA stream, so the data is complete when the next stage reads it.
@@ -115,6 +138,11 @@ def to_triton(name: str, tensor: torch.Tensor) -> pb_utils.Tensor:
         with torch.cuda.device(tensor.device):
             return pb_utils.Tensor.from_dlpack(name, tensor)
     return pb_utils.Tensor.from_dlpack(name, tensor)
+
+
+def is_input_error(exc: BaseException) -> bool:
+    """The client's fault: a bad image (raised here or by a stage we called), never overload or a failure."""
+    return isinstance(exc, InvalidImage) or (isinstance(exc, StageError) and exc.code == pb_utils.TritonError.INVALID_ARG)
 
 
 def error_response(exc: Exception) -> pb_utils.InferenceResponse:

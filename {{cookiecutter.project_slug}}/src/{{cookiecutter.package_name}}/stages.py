@@ -237,11 +237,21 @@ class _Image(NamedTuple):
     height: int
 
 
-def build_resnet(variant: str, weights: Path | str | None = None) -> torch.nn.Module:
-    """torchvision's architecture, with weights from a state-dict file (None: the untrained init)."""
-    model = torchvision.models.get_model(variant, weights=None, num_classes=1000)
-    if weights is not None:
-        state = torch.load(weights, map_location="cpu", weights_only=True)
+def build_resnet(variant: str, weights: Path | str | None = None, num_classes: int | None = None) -> torch.nn.Module:
+    """torchvision's architecture, with weights from a state-dict file (None: the untrained init).
+
+    The class count is `num_classes`, else the weights' (rows of `fc.weight`), else ImageNet's 1000. Weights with
+    another class count than `num_classes` raise a ValueError that says how to fix it.
+    """
+    state = None if weights is None else torch.load(weights, map_location="cpu", weights_only=True)
+    found = state["fc.weight"].shape[0] if state is not None and "fc.weight" in state else None
+    if num_classes is not None and found is not None and found != num_classes:
+        raise ValueError(
+            f"{weights} has {found} classes (fc.weight) but the model is configured for {num_classes}: "
+            "write weights, labels.txt and config.pbtxt together with `weights import`"
+        )
+    model = torchvision.models.get_model(variant, weights=None, num_classes=num_classes or found or 1000)
+    if state is not None:
         model.load_state_dict(state)
     return model.eval()
 
@@ -256,7 +266,7 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 
 
 class Classifier:
-    """Pixels -> FP32 logits [B, 1000]. On the CPU, FP16 is computed in FP32 (CPU FP16 convolutions crawl).
+    """Pixels -> FP32 logits [B, classes]. On the CPU, FP16 is computed in FP32 (CPU FP16 convolutions crawl).
 
     Every batch is padded to the next of a few bucket sizes (`batch_buckets`), so the model only ever sees those
     shapes: per-shape state (cuDNN plans, oneDNN primitives, CUDA graphs) stays bounded however the dynamic batcher
@@ -273,11 +283,12 @@ class Classifier:
         max_batch_size: int = 128,
         cuda_graphs: bool = True,
         image_size: int = 224,
+        num_classes: int | None = None,
     ):
         self.device = torch.device(device)
         self.dtype = torch.float32 if (self.device.type == "cpu" and dtype == torch.float16) else dtype
         self.memory_format = torch.channels_last if self.device.type == "cuda" else torch.contiguous_format
-        model = build_resnet(variant, weights)
+        model = build_resnet(variant, weights, num_classes)
         self.model = model.to(self.device, self.dtype, memory_format=self.memory_format)
         self.buckets = batch_buckets(max_batch_size)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -326,6 +337,16 @@ class Classifier:
 def imagenet_labels() -> list[str]:
     """The 1000 ImageNet class names, from torchvision's weight metadata (no download)."""
     return list(torchvision.models.ResNet50_Weights.IMAGENET1K_V2.meta["categories"])
+
+
+def read_labels(path: Path | str) -> list[str]:
+    """A Triton label file (`label_filename`): one class name per line, line i naming class i."""
+    labels = Path(path).read_text(encoding="utf-8").splitlines()
+    blank = [i + 1 for i, label in enumerate(labels) if not label.strip()]
+    if not labels or blank:
+        where = f"line {blank[0]} is blank" if blank else "it is empty"
+        raise ValueError(f"{path}: {where}; write one class name per line, line i naming class i")
+    return labels
 
 
 class Postprocess:

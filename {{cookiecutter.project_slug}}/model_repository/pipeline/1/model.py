@@ -13,8 +13,14 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from {{ cookiecutter.package_name }}.python_backend import Instance, StageError, error_response, to_triton
-from {{ cookiecutter.package_name }}.stages import Postprocess
+from {{ cookiecutter.package_name }}.python_backend import (
+    Instance,
+    StageError,
+    error_response,
+    is_input_error,
+    load_postprocess,
+    to_triton,
+)
 
 OUTPUTS = ["SCORES", "CLASS_IDS", "LABELS"]
 
@@ -25,8 +31,7 @@ class TritonPythonModel:
         self.timeout_us = int(self.instance.parameters["bls_timeout_us"])
         self.postprocess = None
         if self.instance.parameters["postprocess"] == "in_process":
-            top_k = pb_utils.get_output_config_by_name(self.instance.config, "SCORES")["dims"][0]
-            self.postprocess = Postprocess(top_k)
+            self.postprocess = load_postprocess(self.instance, args)
 
     async def execute(self, requests):
         images = [pb_utils.get_input_tensor_by_name(request, "IMAGE") for request in requests]
@@ -51,8 +56,8 @@ class TritonPythonModel:
     async def preprocess(self, images):
         """(pixels or error per request, all pixels as one batch when every request succeeded).
 
-        All requests go in one call. If an image is bad that call fails with INVALID_ARG, and each request is sent
-        again on its own, so that the error reaches only the request that holds the bad image.
+        All requests go in one call. If an image is bad that call fails with an input error, and each request is
+        sent again on its own, so that the error reaches only the request that holds the bad image.
         """
         joined = images[0]
         if len(images) > 1:
@@ -60,8 +65,8 @@ class TritonPythonModel:
         try:
             batch = await self.preprocess_one(joined)
             return list(batch.split([image.shape()[0] for image in images])), batch
-        except StageError as exc:
-            if len(images) == 1 or exc.code != pb_utils.TritonError.INVALID_ARG:
+        except Exception as exc:
+            if len(images) == 1 or not is_input_error(exc):
                 return [exc] * len(images), None  # not an image's fault (overload, timeout): no retry
         calls = (self.preprocess_one(image) for image in images)
         return await asyncio.gather(*calls, return_exceptions=True), None

@@ -1,17 +1,16 @@
-"""Logits -> top-k softmax scores, class ids and ImageNet labels."""
+"""Logits -> top-k softmax scores, class ids and labels (the file named by the `labels_file` parameter)."""
 
 import torch
 import triton_python_backend_utils as pb_utils
 
-from {{ cookiecutter.package_name }}.python_backend import Instance
-from {{ cookiecutter.package_name }}.stages import Postprocess
+from {{ cookiecutter.package_name }}.python_backend import Instance, load_postprocess
 
 
 class TritonPythonModel:
     def initialize(self, args):
         self.instance = Instance(args)
-        top_k = pb_utils.get_output_config_by_name(self.instance.config, "SCORES")["dims"][0]
-        self.postprocess = Postprocess(top_k)
+        classes = int(pb_utils.get_input_config_by_name(self.instance.config, "LOGITS")["dims"][0])
+        self.postprocess = load_postprocess(self.instance, args, classes)
 
     def execute(self, requests):
         # One top-k on the GPU for every request of the batch, one copy of the results to the host.

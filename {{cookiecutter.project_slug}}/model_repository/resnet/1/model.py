@@ -17,8 +17,10 @@ class TritonPythonModel:
         if not weights.is_file():
             raise pb_utils.TritonModelException(
                 f"missing weights {weights}: run `{{ cookiecutter.project_slug }} weights pretrained` "
-                f"(downloads torchvision's) or `{{ cookiecutter.project_slug }} weights random` (offline)"
+                f"(downloads torchvision's), `{{ cookiecutter.project_slug }} weights random` (offline) "
+                f"or `{{ cookiecutter.project_slug }} weights import YOUR.pt`"
             )
+        classes = int(pb_utils.get_output_config_by_name(self.instance.config, "LOGITS")["dims"][0])
         self.classifier = Classifier(
             params["variant"],
             weights,
@@ -26,6 +28,7 @@ class TritonPythonModel:
             self.instance.dtype("PIXELS"),
             max_batch_size=self.instance.config["max_batch_size"],
             cuda_graphs=params["cuda_graphs"] == "true",
+            num_classes=classes,
         )
 
     def execute(self, requests):

@@ -1,0 +1,177 @@
+"""`weights import | random | pretrained` and the files they keep consistent: weights.pt, labels.txt and every
+config.pbtxt field that depends on the class count. No server: checks of the files themselves."""
+
+import argparse
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torchvision
+from conftest import PROJECT
+
+from {{ cookiecutter.package_name }}.model_repository import labels_path, load_config, num_classes, resnet_weights, top_k
+from {{ cookiecutter.package_name }}.stages import Classifier, imagenet_labels, read_labels
+from {{ cookiecutter.package_name }}.weights import (
+    WeightsError,
+    import_weights,
+    load_state_dict,
+    random_state,
+)
+
+
+def dims(repository, model, name):
+    config = load_config(repository / model)
+    return [list(t.dims) for t in (*config.input, *config.output) if t.name == name][0]
+
+
+def assert_consistent(repository, classes, k):
+    """Every place the class count and top-k live agrees."""
+    labels = read_labels(labels_path(repository))
+    assert len(labels) == num_classes(repository) == classes
+    assert dims(repository, "resnet", "LOGITS") == dims(repository, "postprocess", "LOGITS") == [classes]
+    labels_file = load_config(repository / "postprocess").parameters["labels_file"].string_value
+    assert (repository / "postprocess" / labels_file).resolve() == labels_path(repository).resolve()
+    for model in ("postprocess", "pipeline", "ensemble"):
+        if (repository / model).is_dir():
+            for name in ("SCORES", "CLASS_IDS", "LABELS"):
+                assert dims(repository, model, name) == [k]
+    return labels
+
+
+@pytest.fixture
+def repository(tmp_path):
+    repo = tmp_path / "model_repository"
+    shutil.copytree(PROJECT / "model_repository", repo, ignore=shutil.ignore_patterns("weights.pt", "__pycache__"))
+    return repo
+
+
+@pytest.fixture(scope="module")
+def resnet18_10(tmp_path_factory):
+    """A 10-class ResNet-18 state dict, as fine-tuning with a new fc leaves it."""
+    torch.manual_seed(1)
+    return torchvision.models.resnet18(num_classes=10).state_dict()
+
+
+def test_the_baked_repository_is_consistent_with_imagenet_labels():
+    labels = assert_consistent(PROJECT / "model_repository", 1000, top_k(PROJECT / "model_repository"))
+    assert labels == imagenet_labels()
+
+
+@pytest.mark.parametrize("wrap", ["state-dict", "checkpoint-with-module-prefix", "lightning-style"])
+def test_import_a_10_class_resnet18_writes_weights_labels_and_configs(repository, resnet18_10, tmp_path, wrap):
+    path, labels = tmp_path / "mine.pt", [f"kind {i}" for i in range(10)]
+    torch.save(
+        {
+            "state-dict": resnet18_10,
+            "checkpoint-with-module-prefix": {
+                "epoch": 7,
+                "state_dict": {f"module.{k}": v for k, v in resnet18_10.items()},
+            },
+            "lightning-style": {"state_dict": {f"model.{k}": v for k, v in resnet18_10.items()}, "global_step": 3},
+        }[wrap],
+        path,
+    )
+    (tmp_path / "labels.txt").write_text("\n".join(labels) + "\n")
+    done = import_weights(repository, path, tmp_path / "labels.txt", variant="resnet18", top_k=3)
+    assert (done.classes, done.top_k, done.variant) == (10, 3, "resnet18")
+    assert assert_consistent(repository, 10, 3) == labels
+    variant, weights = resnet_weights(repository)
+    assert variant == "resnet18"
+    saved = torch.load(weights, weights_only=True)
+    assert saved.keys() == resnet18_10.keys() and all(torch.equal(saved[k], resnet18_10[k]) for k in saved)
+    assert Classifier(variant, weights, num_classes=10)(torch.zeros(1, 3, 224, 224)).shape == (1, 10)
+    header = (repository / "resnet" / "config.pbtxt").read_text().splitlines()[0]
+    assert header.startswith("# "), "the rewritten config keeps its header comment"
+
+
+def test_default_labels_are_numbered_and_random_restores_imagenet(repository, resnet18_10, tmp_path):
+    torch.save(resnet18_10, tmp_path / "mine.pt")
+    import_weights(repository, tmp_path / "mine.pt", variant="resnet18")
+    assert assert_consistent(repository, 10, top_k(repository)) == [f"class_{i}" for i in range(10)]
+    cli = [sys.executable, "-m", "{{ cookiecutter.package_name }}.cli", "weights", "random", "--model-repository"]
+    subprocess.run([*cli, str(repository)], check=True, capture_output=True, timeout=300)
+    assert assert_consistent(repository, 1000, top_k(repository)) == imagenet_labels()
+    assert torch.load(resnet_weights(repository)[1], weights_only=True)["fc.weight"].shape == (1000, 512)
+
+
+def test_a_model_with_other_classes_than_the_config_fails_to_load_with_the_fix(tmp_path, resnet18_10):
+    torch.save(resnet18_10, tmp_path / "w.pt")
+    with pytest.raises(ValueError, match="has 10 classes .* configured for 1000: .*weights import"):
+        Classifier("resnet18", tmp_path / "w.pt", num_classes=1000)
+
+
+def save(tmp_path, name, obj):
+    path = tmp_path / name
+    if isinstance(obj, bytes):
+        path.write_bytes(obj)
+    else:
+        torch.save(obj, path)
+    return path
+
+
+ERRORS = {
+    "labels-count": (
+        lambda t, sd: dict(
+            path=save(t, "w.pt", sd), labels=save(t, "l.txt", "".join(f"c{i}\n" for i in range(12)).encode())
+        ),
+        "fc has 10 outputs but the labels file has 12 lines",
+    ),
+    "top-k-over-classes": (
+        lambda t, sd: dict(path=save(t, "w.pt", sd), top_k=11),
+        "top_k is 11 but the model has only 10 classes: pass --top-k",
+    ),
+    "another-resnet": (
+        lambda t, sd: dict(path=save(t, "w.pt", torchvision.models.resnet34(num_classes=10).state_dict())),
+        "the state dict is a resnet34, not a resnet18: pass --variant resnet34",
+    ),
+    "not-a-resnet": (
+        lambda t, sd: dict(path=save(t, "w.pt", torchvision.models.mobilenet_v3_small(num_classes=10).state_dict())),
+        "not a torchvision ResNet state dict: it has no fc.weight",
+    ),
+    "not-a-checkpoint": (
+        lambda t, sd: dict(path=save(t, "w.pt", b"\xff\xd8\xff\xe0 a JPEG, not a checkpoint")),
+        "is not a PyTorch checkpoint",
+    ),
+    "blank-label-line": (
+        lambda t, sd: dict(path=save(t, "w.pt", sd), labels=save(t, "l.txt", b"a\n\nc\n")),
+        "line 2 is blank; write one class name per line",
+    ),
+}
+
+
+@pytest.mark.parametrize("make, message", ERRORS.values(), ids=ERRORS.keys())
+def test_import_errors_name_the_fix_and_change_nothing(repository, resnet18_10, tmp_path, make, message):
+    before = {p: p.read_bytes() for p in repository.rglob("*") if p.is_file()}
+    args = make(tmp_path, resnet18_10)
+    cli = [sys.executable, "-m", "{{ cookiecutter.package_name }}.cli", "weights", "import", str(args["path"])]
+    cli += ["--variant", "resnet18", "--model-repository", str(repository)]
+    cli += ["--labels", str(args["labels"])] if "labels" in args else []
+    cli += ["--top-k", str(args["top_k"])] if "top_k" in args else []
+    result = subprocess.run(cli, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and result.stderr.startswith("error: ") and message in result.stderr, result.stderr
+    assert {p: p.read_bytes() for p in repository.rglob("*") if p.is_file()} == before
+
+
+def test_a_checkpoint_with_python_objects_asks_to_be_trusted_explicitly(tmp_path, resnet18_10):
+    path = tmp_path / "ckpt.pt"  # a pickled object of any class: torch.load(weights_only=True) refuses it
+    torch.save({"state_dict": resnet18_10, "args": argparse.Namespace(lr=0.1)}, path)
+    with pytest.raises(WeightsError, match="holds Python objects besides tensors.*weights_only=False"):
+        load_state_dict(path)
+
+
+def test_a_canary_version_shares_the_config_and_labels(repository, resnet18_10, tmp_path):
+    torch.save(resnet18_10, tmp_path / "a.pt")
+    (tmp_path / "labels.txt").write_text("".join(f"mine {i}\n" for i in range(10)))
+    import_weights(repository, tmp_path / "a.pt", tmp_path / "labels.txt", variant="resnet18")
+    torch.save(random_state("resnet18", seed=5, num_classes=10), tmp_path / "b.pt")
+    done = import_weights(repository, tmp_path / "b.pt", version=2)
+    assert done.weights == repository / "resnet" / "2" / "weights.pt"
+    assert read_labels(labels_path(repository)) == [f"mine {i}" for i in range(10)], "version 2 keeps the labels"
+    assert (repository / "resnet" / "2" / "model.py").read_text() == (
+        repository / "resnet" / "1" / "model.py"
+    ).read_text()
+    torch.save(torchvision.models.resnet18(num_classes=7).state_dict(), tmp_path / "c.pt")
+    with pytest.raises(WeightsError, match="every resnet version shares config.pbtxt and labels.txt"):
+        import_weights(repository, tmp_path / "c.pt", version=3)
