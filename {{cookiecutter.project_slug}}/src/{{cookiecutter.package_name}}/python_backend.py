@@ -142,7 +142,9 @@ def to_triton(name: str, tensor: torch.Tensor) -> pb_utils.Tensor:
 
 def is_input_error(exc: BaseException) -> bool:
     """The client's fault: a bad image (raised here or by a stage we called), never overload or a failure."""
-    return isinstance(exc, InvalidImage) or (isinstance(exc, StageError) and exc.code == pb_utils.TritonError.INVALID_ARG)
+    return isinstance(exc, InvalidImage) or (
+        isinstance(exc, StageError) and exc.code == pb_utils.TritonError.INVALID_ARG
+    )
 
 
 def error_response(exc: Exception) -> pb_utils.InferenceResponse:

@@ -15,7 +15,6 @@ import triton_python_backend_utils as pb_utils
 
 from {{ cookiecutter.package_name }}.python_backend import (
     Instance,
-    StageError,
     error_response,
     is_input_error,
     load_postprocess,
