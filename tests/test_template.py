@@ -39,6 +39,7 @@ benchmarks/hop_models/hop_sink_fp32/config.pbtxt
 benchmarks/inprocess.py
 benchmarks/results/.gitignore
 benchmarks/run.py
+benchmarks/soak.py
 docker-compose.cpu.yml
 docker-compose.yml
 docker/constraints.txt
