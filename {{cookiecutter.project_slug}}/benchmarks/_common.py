@@ -125,6 +125,16 @@ def set_precision(repository: Path, precision: str) -> None:
         path.write_text(text)
 
 
+def set_instances(repository: Path, counts: dict[str, int]) -> None:
+    """Rewrite the instance_group count of some models: `{"preprocess": 4, "pipeline": 2}`."""
+    for model, count in counts.items():
+        path = repository / model / "config.pbtxt"
+        text, found = re.subn(r"(instance_group \[ \{ count: )\d+", rf"\g<1>{count}", path.read_text())
+        if not found:
+            raise ValueError(f"{path}: no instance_group count to rewrite")
+        path.write_text(text)
+
+
 def bench_server(repository: Path, log_path: Path, pool_bytes: int | None = None):
     """The project's own tritonserver (same flags as `serve`) on free ports, optionally with another pool size."""
     from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer, visible_gpus
@@ -146,3 +156,86 @@ def bench_server(repository: Path, log_path: Path, pool_bytes: int | None = None
         print(Path(log_path).read_text()[-5000:])
         raise
     return server
+
+
+STAT_PHASES = ("queue", "compute_input", "compute_infer", "compute_output")
+
+
+def model_statistics(url: str, headers: dict) -> dict:
+    """Triton's cumulative per-model statistics: {model: {"requests", "batches", phase: ns}}."""
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(url) as client:
+        stats = client.get_inference_statistics(headers=headers, as_json=True)
+    out = {}
+    for model in stats.get("model_stats", []):
+        infer = model.get("inference_stats", {})
+        row = {"requests": int(infer.get("success", {}).get("count", 0))}
+        row["batches"] = sum(int(b.get("compute_infer", {}).get("count", 0)) for b in model.get("batch_stats", []))
+        row["images"] = sum(
+            int(b.get("batch_size", 0)) * int(b.get("compute_infer", {}).get("count", 0))
+            for b in model.get("batch_stats", [])
+        )
+        for phase in STAT_PHASES:
+            row[phase] = int(infer.get(phase, {}).get("ns", 0))
+        out[model["name"]] = row
+    return out
+
+
+def statistics_delta(before: dict, after: dict) -> dict:
+    """Per model over one point: requests, mean batch size, and each phase in ms per request (Triton's own view)."""
+    delta = {}
+    for model, end in after.items():
+        start = before.get(model, {})
+        requests = end["requests"] - start.get("requests", 0)
+        if requests <= 0:
+            continue
+        batches = end["batches"] - start.get("batches", 0)
+        row = {"requests": requests, "mean_batch": (end["images"] - start.get("images", 0)) / max(batches, 1)}
+        for phase in STAT_PHASES:
+            row[f"{phase}_ms"] = (end[phase] - start.get(phase, 0)) / requests / 1e6
+        delta[model] = row
+    return delta
+
+
+class GpuSampler:
+    """Samples GPU utilization and memory through NVML every `interval_s` in a thread: `with GpuSampler() as s:`."""
+
+    def __init__(self, interval_s: float = 0.1):
+        import threading
+
+        self.interval_s, self.samples, self._stop = interval_s, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:  # no NVML (no GPU, or nvidia-ml-py missing): no samples
+            return
+        while not self._stop.wait(self.interval_s):
+            self.samples.append(
+                [
+                    (pynvml.nvmlDeviceGetUtilizationRates(h).gpu, pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**20)
+                    for h in handles
+                ]
+            )
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        util = [sum(u for u, _ in s) / len(s) for s in self.samples]
+        return {
+            "gpu_util_pct": float(np.mean(util)),
+            "gpu_mem_mib": float(max(sum(m for _, m in s) for s in self.samples)),
+        }

@@ -19,7 +19,19 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import PROJECT, RESULTS, bench_server, environment, sample_jpegs, set_precision, write
+from _common import (
+    PROJECT,
+    RESULTS,
+    GpuSampler,
+    bench_server,
+    environment,
+    model_statistics,
+    sample_jpegs,
+    set_instances,
+    set_precision,
+    statistics_delta,
+    write,
+)
 
 
 def worker(url, model, images, threads, start_at, warmup_s, seconds, queue):
@@ -65,7 +77,9 @@ def worker(url, model, images, threads, start_at, warmup_s, seconds, queue):
     queue.put((latencies, errors, time.process_time() - cpu0))
 
 
-def run_point(url, model, images, concurrency, seconds, warmup_s=1.0, max_procs=12) -> dict:
+def run_point(url, model, images, concurrency, seconds, warmup_s=1.0, max_procs=12, headers=None) -> dict:
+    """One closed-loop point; with the admin `headers`, also Triton's per-model statistics over the point, and
+    the GPU's utilization (NVML) while it ran."""
     ctx = mp.get_context("spawn")
     procs = min(concurrency, max_procs)
     split = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
@@ -74,12 +88,15 @@ def run_point(url, model, images, concurrency, seconds, warmup_s=1.0, max_procs=
     ps = [ctx.Process(target=worker, args=(url, model, images, n, start_at, warmup_s, seconds, queue)) for n in split]
     for p in ps:
         p.start()
+    before = model_statistics(url, headers) if headers is not None else {}
     latencies, errors, cpu = [], [], 0.0
-    for _ in ps:
-        lat, err, c = queue.get()
-        latencies += lat
-        errors += err
-        cpu += c
+    with GpuSampler() as gpu:
+        for _ in ps:
+            lat, err, c = queue.get()
+            latencies += lat
+            errors += err
+            cpu += c
+    stages = statistics_delta(before, model_statistics(url, headers)) if headers is not None else {}
     for p in ps:
         p.join()
     lat = np.array(latencies or [float("nan")])
@@ -92,6 +109,38 @@ def run_point(url, model, images, concurrency, seconds, warmup_s=1.0, max_procs=
         "p50_ms": float(np.percentile(lat, 50)),
         "p99_ms": float(np.percentile(lat, 99)),
         "client_cpu": cpu / (seconds + warmup_s + 3.0),
+        **gpu.summary(),
+        "stages": stages,
+    }
+
+
+def perf_analyzer_point(url, headers, model, image, batch, concurrency, seconds, workdir: Path) -> dict:
+    """The same point measured by Triton's perf_analyzer (the same JPEG `batch` times per request)."""
+    import csv
+    import subprocess
+
+    import tritonclient.utils
+
+    data = workdir / "pa_input"
+    data.mkdir(exist_ok=True)
+    # directory input: one file per input with the raw (length-prefixed) bytes of a batch-1 request
+    (data / "IMAGE").write_bytes(tritonclient.utils.serialize_byte_tensor(np.array([image], dtype=object)).item())
+    report = workdir / f"pa_{model}_{batch}_{concurrency}.csv"
+    argv = ["perf_analyzer", "-m", model, "-u", url, "-i", "grpc", "-b", str(batch), "--input-data", str(data)]
+    argv += ["--shape", "IMAGE:1", "--concurrency-range", str(concurrency), "-f", str(report)]
+    argv += ["--measurement-interval", str(int(seconds * 1000)), "--stability-percentage", "50", "--max-trials", "4"]
+    argv += [arg for key, value in headers.items() for arg in ("-H", f"{key}:{value}")]
+    try:
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": f"perf_analyzer did not run: {exc}"}
+    if run.returncode != 0 or not report.is_file():
+        return {"error": (run.stdout + run.stderr)[-600:]}
+    (row,) = list(csv.DictReader(report.open()))
+    return {
+        "img_s": float(row["Inferences/Second"]),
+        "p50_ms": float(row["p50 latency"]) / 1e3,
+        "p99_ms": float(row["p99 latency"]) / 1e3,
     }
 
 
@@ -105,6 +154,20 @@ def main(argv=None) -> dict:
     parser.add_argument("--images-per-request", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument(
+        "--instances",
+        nargs="+",
+        default=[],
+        metavar="MODEL=COUNT",
+        help="instance counts to try instead of the configs' (e.g. preprocess=4 pipeline=2)",
+    )
+    parser.add_argument(
+        "--perf-analyzer",
+        type=int,
+        nargs="*",
+        metavar="CONCURRENCY",
+        help="cross-check points with perf_analyzer: those of these concurrencies (none listed: every point)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
@@ -119,7 +182,9 @@ def main(argv=None) -> dict:
                 write_random(variant, weights)
             if precision:
                 set_precision(repo, precision)
-            label = precision or "as baked"
+            instances = {m: int(c) for m, c in (item.split("=") for item in args.instances)}
+            set_instances(repo, instances)
+            label = (precision or "as baked") + "".join(f" {m}x{c}" for m, c in instances.items())
             server = bench_server(repo, Path(tmp) / "tritonserver.log")
             try:
                 for model in args.models:
@@ -127,7 +192,18 @@ def main(argv=None) -> dict:
                         continue
                     for n in args.images_per_request:
                         for c in args.concurrency:
-                            point = run_point(server.grpc_url, model, jpegs[:n], c, args.seconds)
+                            headers = server.settings.admin_headers
+                            point = run_point(server.grpc_url, model, jpegs[:n], c, args.seconds, headers=headers)
+                            if args.perf_analyzer is not None and (not args.perf_analyzer or c in args.perf_analyzer):
+                                pa = perf_analyzer_point(
+                                    server.grpc_url, headers, model, jpegs[0], n, c, args.seconds, Path(tmp)
+                                )
+                                point["perf_analyzer"] = pa
+                                if "img_s" in pa:
+                                    point["pa_img_s"], point["pa_p50_ms"] = pa["img_s"], pa["p50_ms"]
+                                    point["pa_vs_own"] = pa["img_s"] / max(point["img_s"], 1e-9)
+                                else:
+                                    print(f"perf_analyzer failed: {pa['error']}")
                             row = {
                                 "precision": label,
                                 "model": model,
@@ -139,8 +215,15 @@ def main(argv=None) -> dict:
                             print(
                                 f"{label} {model:9s} n={n:3d} c={c:3d}: {point['img_s']:8,.0f} img/s  "
                                 f"p50 {point['p50_ms']:7.2f} ms  p99 {point['p99_ms']:7.2f} ms  "
-                                f"errors {point['errors']}  client cpu {point['client_cpu']:.1f}"
+                                f"errors {point['errors']}  client cpu {point['client_cpu']:.1f}  "
+                                f"gpu {point.get('gpu_util_pct', float('nan')):.0f}%"
+                                + (f"  perf_analyzer {point['pa_img_s']:,.0f} img/s" if "pa_img_s" in point else "")
                             )
+                            for stage, st in point["stages"].items():
+                                print(
+                                    f"    {stage:12s} batch {st['mean_batch']:6.1f}  "
+                                    + "  ".join(f"{k[:-3]} {v:6.2f}" for k, v in st.items() if k.endswith("_ms"))
+                                )
             finally:
                 server.stop()
 
@@ -149,7 +232,10 @@ def main(argv=None) -> dict:
         "environment": environment(),
         "notes": [
             "Closed loop: `concurrency` requests in flight, each `images_per_request` 500x375 JPEGs; client-side "
-            f"latency; {args.seconds:g} s per point after 1 s warm-up; client_cpu = client CPU cores busy."
+            f"latency; {args.seconds:g} s per point after 1 s warm-up; client_cpu = client CPU cores busy; "
+            "gpu_util_pct = NVML utilization, mean over the point; pa_* = perf_analyzer on the same point "
+            "(the same JPEG repeated); each row's `stages` in the JSON holds Triton's per-model statistics "
+            "(requests, mean batch, queue / compute_input / compute_infer / compute_output ms per request)."
         ],
         "rows": rows,
     }
@@ -163,6 +249,9 @@ def main(argv=None) -> dict:
         "p99_ms",
         "errors",
         "client_cpu",
+        "gpu_util_pct",
+        "pa_img_s",
+        "pa_vs_own",
     ]
 
     def plot(ax):

@@ -51,10 +51,12 @@ def free_port() -> int:
 
 
 def cuda_pool_bytes(max_batch_size: int = MAX_BATCH_SIZE) -> int:
-    """The CUDA memory pool per GPU. Every GPU tensor crossing a stub/server boundary goes through it,
-    so it must hold several of the largest ([max_batch, 3, 224, 224] FP32 pixels) at once."""
+    """The CUDA memory pool per GPU. Every GPU tensor crossing a stub/server boundary goes through it, and a full
+    pool silently falls back to host memory (two copies through the CPU per hop): it must hold every batch in
+    flight at once. With several pipeline and preprocess instances that is a dozen of the largest tensors
+    ([max_batch, 3, 224, 224] FP32 pixels, each in up to two places per hop); 16 leave headroom."""
     largest = max_batch_size * 3 * 224 * 224 * 4
-    return max(256 * MiB, -(-4 * largest // (64 * MiB)) * 64 * MiB)
+    return max(512 * MiB, -(-16 * largest // (64 * MiB)) * 64 * MiB)
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ class InvalidImage(ValueError):
     """The bytes are not an image the pipeline accepts: the client's fault, never the server's."""
 
 
+JPEG_START_OF_SCAN, JPEG_END_OF_IMAGE = b"\xff\xda", b"\xff\xd9"
+
+
 def inspect_image(data: bytes, max_pixels: int) -> tuple[str, int, int]:
     """Read only the header and return (format, width, height); reject bombs before any pixel is decoded."""
     if not data:
@@ -40,44 +44,76 @@ def inspect_image(data: bytes, max_pixels: int) -> tuple[str, int, int]:
         raise InvalidImage(f"image too large: {width}x{height} is over the limit of {max_pixels} pixels")
     if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
         raise InvalidImage(f"image too narrow: {width}x{height} is beyond the {MAX_ASPECT_RATIO}:1 aspect ratio limit")
+    if fmt == "JPEG":
+        # nvJPEG decodes a cut-off JPEG without complaint (libjpeg refuses it): the same bytes must get the same
+        # answer on every device, so a JPEG must end its last scan with the end-of-image marker.
+        last_scan = data.rfind(JPEG_START_OF_SCAN)
+        if last_scan < 0 or data.rfind(JPEG_END_OF_IMAGE) < last_scan:
+            raise InvalidImage(f"truncated JPEG: no end-of-image marker after the last scan ({len(data)} bytes)")
     return fmt, width, height
 
 
 class Preprocess:
     """Encoded JPEG/PNG bytes -> normalized [B, 3, crop, crop] pixels on `device`, in `dtype`.
 
-    JPEGs are decoded on the GPU when `device` is a GPU (nvJPEG), everything else on the CPU.
-    Grayscale, palette and alpha images are converted to RGB.
+    The same geometry as Resize(resize) + CenterCrop(crop), done as crop-then-resize: the center square that would
+    survive the crop is cut from the full image (a view, no copy) and resized straight to crop x crop, so no
+    full-size resized image is ever made. On a GPU, the JPEGs of a whole batch are decoded by one nvJPEG call
+    (torchvision's batched `decode_jpeg`), crops of the same size are resized by one kernel, and normalization
+    is one fused multiply-add over the batch: no host sync until the pixels are handed on. PNGs (and what nvJPEG
+    refuses: CMYK) decode on the CPU. Grayscale, palette and alpha images are converted to RGB.
     """
 
-    def __init__(self, device="cpu", dtype=torch.float32, resize=256, crop=224, max_pixels=40_000_000):
+    def __init__(
+        self,
+        device="cpu",
+        dtype=torch.float32,
+        resize=256,
+        crop=224,
+        max_pixels=40_000_000,
+        decode_budget_pixels=64_000_000,
+    ):
         self.device = torch.device(device)
+        self.on_gpu = self.device.type == "cuda"
         self.dtype = dtype
+        self.resize, self.crop = resize, crop
         self.max_pixels = max_pixels
-        self.resize_and_crop = v2.Compose([v2.Resize(resize, antialias=True), v2.CenterCrop(crop)])
-        self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1)
-        self.std = torch.tensor(IMAGENET_STD, device=self.device).view(1, 3, 1, 1)
+        # At most this many decoded pixels are held at once (a batch of 128 full-size 40 MP images would be 15 GB).
+        self.decode_budget_pixels = max(decode_budget_pixels, max_pixels)
+        mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1)
+        std = torch.tensor(IMAGENET_STD, device=self.device).view(1, 3, 1, 1)
+        # (x / 255 - mean) / std as one multiply-add
+        self.scale, self.shift = 1 / (255 * std), -mean / std
 
-    def decode(self, data: bytes) -> torch.Tensor:
+    def decode(self, data: bytes, fmt: str, width: int, height: int) -> torch.Tensor:
         """One encoded image -> uint8 [3, H, W] on the device. Raises InvalidImage."""
-        fmt, width, height = inspect_image(data, self.max_pixels)
         encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         try:
-            if fmt == "JPEG" and self.device.type == "cuda":
-                image = torchvision.io.decode_jpeg(encoded, mode=ImageReadMode.RGB, device=self.device)
+            if fmt == "JPEG" and self.on_gpu:
+                image = self._decode_jpegs_on_gpu([encoded])[0]
             else:
                 image = torchvision.io.decode_image(encoded, mode=ImageReadMode.RGB)
         except RuntimeError:
             image = self._decode_with_pillow(data)
+        return self._checked(image, width, height).to(self.device)
+
+    def _decode_jpegs_on_gpu(self, encoded: list[torch.Tensor]) -> list[torch.Tensor]:
+        # torchvision's CUDA decoder can write into memory that work still queued on this stream reads
+        # (pytorch/vision#9606, seen on H100s): drain the stream first.
+        torch.cuda.current_stream(self.device).synchronize()
+        return torchvision.io.decode_jpeg(encoded, mode=ImageReadMode.RGB, device=self.device)
+
+    @staticmethod
+    def _checked(image: torch.Tensor, width: int, height: int) -> torch.Tensor:
         if image.dtype != torch.uint8:  # 16-bit PNG
             image = v2.functional.to_dtype(image, torch.uint8, scale=True)
         if tuple(image.shape) != (3, height, width):
             raise InvalidImage(f"decoded {tuple(image.shape)} does not match the header's {width}x{height}")
-        return image.to(self.device)
+        return image
 
     @staticmethod
     def _decode_with_pillow(data: bytes) -> torch.Tensor:
-        """Fallback for what libjpeg/libpng in torchvision refuse (CMYK JPEGs, some truncated files)."""
+        """Fallback for what libjpeg/libpng/nvJPEG in torchvision refuse (CMYK JPEGs)."""
         try:
             with Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS) as image:
                 rgb = np.asarray(image.convert("RGB"))
@@ -85,42 +121,112 @@ class Preprocess:
             raise InvalidImage(f"cannot decode image: {exc}") from None
         return torch.from_numpy(rgb.copy()).permute(2, 0, 1)
 
-    def normalize(self, crops: list[torch.Tensor]) -> torch.Tensor:
-        """Resized and cropped uint8 images -> one normalized [B, 3, crop, crop] batch in `dtype`."""
-        pixels = (torch.stack(crops).float() / 255 - self.mean) / self.std
-        return pixels.to(self.dtype)
+    def center_square(self, image: torch.Tensor) -> torch.Tensor:
+        """The part of `image` that Resize(resize) + CenterCrop(crop) keeps, as a view."""
+        height, width = image.shape[-2:]
+        side = max(1, min(height, width, round(min(height, width) * self.crop / self.resize)))
+        top, left = (height - side) // 2, (width - side) // 2
+        return image[..., top : top + side, left : left + side]
+
+    def _resize(self, squares: torch.Tensor) -> torch.Tensor:
+        """[n, 3, s, s] uint8 -> [n, 3, crop, crop], antialiased bilinear (uint8 on the CPU: its fast path)."""
+        if squares.is_cuda:
+            squares = squares.float()
+        return v2.functional.resize(squares, [self.crop, self.crop], antialias=True)
 
     def batch(self, groups: list[list[bytes]]) -> list[torch.Tensor | InvalidImage]:
         """Preprocess several requests at once: one result per group, pixels or the group's first error.
 
-        Each image is resized and cropped as soon as it is decoded, so at most one full-size image is held at a
-        time; the crops are normalized together, and each group's pixels are a view into that one batch (no
-        copy). A bad image fails its own group only.
+        The images of all groups become one batch, and each group's pixels are a view into it (no copy). A bad
+        image fails its own group only. Decoded images are held at most `decode_budget_pixels` at a time on a
+        GPU, and one at a time on the CPU.
         """
-        decoded: list[list[torch.Tensor] | InvalidImage] = []
-        for group in groups:
+        errors: dict[int, InvalidImage] = {}
+        items: list[_Image] = []
+        starts = []
+        for g, group in enumerate(groups):
+            starts.append(len(items))
             try:
-                decoded.append([self.resize_and_crop(self.decode(data)) for data in group])
+                items += [_Image(g, data, *inspect_image(data, self.max_pixels)) for data in group]
             except InvalidImage as exc:
-                decoded.append(exc)
-        good = [images for images in decoded if not isinstance(images, InvalidImage)]
-        if not good:
-            return decoded
-        pixels = self.normalize([image for images in good for image in images])
-        results, offset = [], 0
-        for images in decoded:
-            if isinstance(images, InvalidImage):
-                results.append(images)
-            else:
-                results.append(pixels[offset : offset + len(images)])
-                offset += len(images)
-        return results
+                errors[g] = exc
+        resized = torch.empty(
+            (len(items), 3, self.crop, self.crop),
+            dtype=torch.float32 if self.on_gpu else torch.uint8,
+            device=self.device,
+        )
+        for chunk in self._chunks(items, errors):
+            same_size: dict[int, list[tuple[int, torch.Tensor]]] = {}
+            for (slot, item), image in zip(chunk, self._decode_chunk([item for _, item in chunk])):
+                if isinstance(image, InvalidImage):
+                    errors.setdefault(item.group, image)
+                elif item.group not in errors:
+                    square = self.center_square(image)
+                    same_size.setdefault(square.shape[-1], []).append((slot, square))
+            # one resize per crop size: on a GPU the images of one camera share a kernel
+            for squares in same_size.values():
+                slots = [slot for slot, _ in squares]
+                out = self._resize(torch.stack([square for _, square in squares]))
+                if slots == list(range(slots[0], slots[-1] + 1)):
+                    resized[slots[0] : slots[-1] + 1] = out
+                else:
+                    resized[torch.tensor(slots, device=self.device)] = out
+        pixels = torch.addcmul(self.shift, resized.float(), self.scale).to(self.dtype) if items else resized
+        return [
+            errors[g] if g in errors else pixels[starts[g] : starts[g] + len(group)] for g, group in enumerate(groups)
+        ]
+
+    def _chunks(self, items: list[_Image], errors: dict[int, InvalidImage]):
+        """(slot, item) lists holding at most the decode budget of pixels (one image on the CPU)."""
+        chunk, pixels = [], 0
+        for slot, item in enumerate(items):
+            if item.group in errors:
+                continue
+            if chunk and (not self.on_gpu or pixels + item.width * item.height > self.decode_budget_pixels):
+                yield chunk
+                chunk, pixels = [], 0
+            chunk.append((slot, item))
+            pixels += item.width * item.height
+        if chunk:
+            yield chunk
+
+    def _decode_chunk(self, items: list[_Image]) -> list[torch.Tensor | InvalidImage]:
+        """Decode images; on a GPU all JPEGs in one nvJPEG call, the rest one by one."""
+        decoded: list[torch.Tensor | InvalidImage | None] = [None] * len(items)
+        jpegs = [k for k, item in enumerate(items) if item.fmt == "JPEG"] if self.on_gpu else []
+        if jpegs:
+            encoded = [torch.frombuffer(bytearray(items[k].data), dtype=torch.uint8) for k in jpegs]
+            try:
+                images = self._decode_jpegs_on_gpu(encoded)
+            except RuntimeError:  # one undecodable image fails the whole call: those are decoded one by one below
+                images = [None] * len(jpegs)
+            for k, image in zip(jpegs, images):
+                if image is not None:
+                    try:
+                        decoded[k] = self._checked(image, items[k].width, items[k].height)
+                    except InvalidImage as exc:
+                        decoded[k] = exc
+        for k, item in enumerate(items):
+            if decoded[k] is None:
+                try:
+                    decoded[k] = self.decode(item.data, item.fmt, item.width, item.height)
+                except InvalidImage as exc:
+                    decoded[k] = exc
+        return decoded
 
     def __call__(self, images: list[bytes]) -> torch.Tensor:
         (result,) = self.batch([images])
         if isinstance(result, InvalidImage):
             raise result
         return result
+
+
+class _Image(NamedTuple):
+    group: int
+    data: bytes
+    fmt: str
+    width: int
+    height: int
 
 
 def build_resnet(variant: str, weights: Path | str | None = None) -> torch.nn.Module:
@@ -132,20 +238,81 @@ def build_resnet(variant: str, weights: Path | str | None = None) -> torch.nn.Mo
     return model.eval()
 
 
-class Classifier:
-    """Pixels -> FP32 logits [B, 1000]. On the CPU, FP16 is computed in FP32 (CPU FP16 convolutions crawl)."""
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """The batch sizes the classifier runs: powers of two below max_batch_size, and max_batch_size itself."""
+    buckets, size = [], 1
+    while size < max_batch_size:
+        buckets.append(size)
+        size *= 2
+    return [*buckets, max_batch_size]
 
-    def __init__(self, variant: str, weights: Path | str | None, device="cpu", dtype=torch.float32):
+
+class Classifier:
+    """Pixels -> FP32 logits [B, 1000]. On the CPU, FP16 is computed in FP32 (CPU FP16 convolutions crawl).
+
+    Every batch is padded to the next of a few bucket sizes (`batch_buckets`), so the model only ever sees those
+    shapes: per-shape state (cuDNN plans, oneDNN primitives, CUDA graphs) stays bounded however the dynamic batcher
+    groups requests. On a GPU each bucket is captured once as a CUDA graph (`cuda_graphs`): one replay instead of
+    some 150 kernel launches from Python, which is most of the time at small batches.
+    """
+
+    def __init__(
+        self,
+        variant: str,
+        weights: Path | str | None,
+        device="cpu",
+        dtype=torch.float32,
+        max_batch_size: int = 128,
+        cuda_graphs: bool = True,
+        image_size: int = 224,
+    ):
         self.device = torch.device(device)
         self.dtype = torch.float32 if (self.device.type == "cpu" and dtype == torch.float16) else dtype
         self.memory_format = torch.channels_last if self.device.type == "cuda" else torch.contiguous_format
         model = build_resnet(variant, weights)
         self.model = model.to(self.device, self.dtype, memory_format=self.memory_format)
+        self.buckets = batch_buckets(max_batch_size)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True  # a few shapes only: pick each one's fastest kernels once
+            if cuda_graphs:
+                self._capture(image_size)
+
+    @torch.inference_mode()
+    def _capture(self, image_size: int) -> None:
+        shape = (self.buckets[-1], 3, image_size, image_size)
+        self.static_input = torch.zeros(shape, dtype=self.dtype, device=self.device).contiguous(
+            memory_format=self.memory_format
+        )
+        side = torch.cuda.Stream(self.device)  # warm up (cuDNN autotuning) off the default stream, as capture needs
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for size in self.buckets:
+                self.model(self.static_input[:size])
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()  # the graphs share one memory pool, largest captured first
+        for size in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.model(self.static_input[:size]).float()
+            self.graphs[size] = (graph, logits)
 
     @torch.inference_mode()
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        count, largest = pixels.shape[0], self.buckets[-1]
+        if count > largest:
+            return torch.cat([self(part) for part in pixels.split(largest)])
+        bucket = next(size for size in self.buckets if size >= count)
+        if self.graphs:
+            # Rows past `count` hold earlier images: harmless, every row is computed on its own (eval mode).
+            self.static_input[:count].copy_(pixels)
+            graph, logits = self.graphs[bucket]
+            graph.replay()
+            return logits[:count].clone()  # the next replay overwrites the graph's output
         pixels = pixels.to(self.device, self.dtype, memory_format=self.memory_format)
-        return self.model(pixels).float()
+        if bucket > count:
+            pixels = torch.cat([pixels, pixels.new_zeros((bucket - count, *pixels.shape[1:]))])
+        return self.model(pixels)[:count].float()
 
 
 def imagenet_labels() -> list[str]:
@@ -158,17 +325,26 @@ class Postprocess:
 
     def __init__(self, top_k: int, labels: list[str] | None = None):
         self.top_k = top_k
-        self.labels = np.array(labels or imagenet_labels(), dtype=object)
+        # encoded once: labelling a batch is one numpy gather, no per-element Python
+        self.labels = np.array([name.encode() for name in labels or imagenet_labels()], dtype=object)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores, class_ids = torch.softmax(logits.float(), dim=1).topk(self.top_k, dim=1)
         return scores, class_ids
 
-    def label(self, class_ids: torch.Tensor) -> np.ndarray:
+    def to_host(self, logits: torch.Tensor) -> dict[str, np.ndarray]:
+        """Logits -> {"SCORES", "CLASS_IDS", "LABELS"} as numpy: top-k where the logits are, then one small copy
+        of the results to the host (they only go back to the client, and labels are strings: host only)."""
+        scores, class_ids = self(logits)
+        scores, class_ids = scores.cpu().numpy(), class_ids.cpu().numpy()
+        return {"SCORES": scores, "CLASS_IDS": class_ids, "LABELS": self.label(class_ids)}
+
+    def label(self, class_ids: torch.Tensor | np.ndarray) -> np.ndarray:
         """Class ids -> an object array of UTF-8 encoded names, the shape of `class_ids`."""
-        names = self.labels[class_ids.cpu().numpy()]
-        return np.vectorize(str.encode, otypes=[object])(names) if names.size else names
+        if isinstance(class_ids, torch.Tensor):
+            class_ids = class_ids.cpu().numpy()
+        return self.labels[class_ids]
 
 
 class Reference:

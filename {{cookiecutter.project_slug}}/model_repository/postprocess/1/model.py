@@ -1,8 +1,9 @@
 """Logits -> top-k softmax scores, class ids and ImageNet labels."""
 
+import torch
 import triton_python_backend_utils as pb_utils
 
-from {{ cookiecutter.package_name }}.python_backend import Instance, to_triton
+from {{ cookiecutter.package_name }}.python_backend import Instance
 from {{ cookiecutter.package_name }}.stages import Postprocess
 
 
@@ -13,11 +14,12 @@ class TritonPythonModel:
         self.postprocess = Postprocess(top_k)
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            scores, class_ids = self.postprocess(self.instance.input(request, "LOGITS"))
-            labels = pb_utils.Tensor("LABELS", self.postprocess.label(class_ids))  # strings: numpy, CPU
-            responses.append(
-                pb_utils.InferenceResponse([to_triton("SCORES", scores), to_triton("CLASS_IDS", class_ids), labels])
-            )
+        # One top-k on the GPU for every request of the batch, one copy of the results to the host.
+        logits = [self.instance.input(request, "LOGITS") for request in requests]
+        outputs = self.postprocess.to_host(logits[0] if len(logits) == 1 else torch.cat(logits))
+        responses, start = [], 0
+        for part in logits:
+            end = start + part.shape[0]
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(n, t[start:end]) for n, t in outputs.items()]))
+            start = end
         return responses

@@ -19,7 +19,14 @@ class TritonPythonModel:
                 f"missing weights {weights}: run `{{ cookiecutter.project_slug }} weights pretrained` "
                 f"(downloads torchvision's) or `{{ cookiecutter.project_slug }} weights random` (offline)"
             )
-        self.classifier = Classifier(params["variant"], weights, self.instance.device, self.instance.dtype("PIXELS"))
+        self.classifier = Classifier(
+            params["variant"],
+            weights,
+            self.instance.device,
+            self.instance.dtype("PIXELS"),
+            max_batch_size=self.instance.config["max_batch_size"],
+            cuda_graphs=params["cuda_graphs"] == "true",
+        )
 
     def execute(self, requests):
         # One forward pass for every request the dynamic batcher gathered.

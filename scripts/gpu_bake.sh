@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Bake the project measured on the GPU machine into .gpu-bake/ (ignored by git; carried to the device).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rm -rf .gpu-bake
+.venv/bin/cookiecutter --no-input -o .gpu-bake . precision=fp16 "$@"
+git rev-parse --short HEAD >.gpu-bake/COMMIT
+git diff --quiet HEAD -- . ':!.gpu-bake' || echo "$(cat .gpu-bake/COMMIT)+changes" >.gpu-bake/COMMIT

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Measure and test a baked project on a GPU machine: how the figures in docs/benchmarks/ are made.
+#
+#   scripts/gpu_bake.sh                       # here: bake into .gpu-bake/ (fp16, the default answers otherwise)
+#   scripts/gpu_run.sh OUT STEP [STEP ...]    # there: from the template root, after `source .gpu-bundle/activate`
+#
+# STEP is one word plus arguments for that script, quoted together:
+#   "inprocess ARGS"  benchmarks/inprocess.py      "e2e LABEL ARGS"  benchmarks/e2e.py
+#   "hop ARGS"        benchmarks/hop.py            "pytest ARGS"     the baked project's tests
+# Everything goes to OUT/results.tgz (one folder per step) and OUT/log.txt.
+set -uo pipefail
+out=$(realpath "$1")
+shift
+work=$(mktemp -d)
+cd "$(dirname "$0")/../.gpu-bake/image-classifier"
+pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || pip install -q --no-deps -e .
+export PYTHONUNBUFFERED=1 BENCH_COMMIT=${BENCH_COMMIT:-$(cat ../COMMIT 2>/dev/null || echo unknown)}
+image-classifier weights random
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+for step in "$@"; do
+  read -r -a words <<<"$step"
+  echo "=== $(date -u +%T) $step"
+  case ${words[0]} in
+    inprocess) python benchmarks/inprocess.py "${words[@]:1}" --out "$work/inprocess" ;;
+    hop) python benchmarks/hop.py "${words[@]:1}" --out "$work/hop" ;;
+    e2e) python benchmarks/e2e.py "${words[@]:2}" --out "$work/e2e-${words[1]}" ;;
+    pytest) pytest "${words[@]:1}" -p no:cacheprovider ;;
+    *) echo "unknown step ${words[0]}" ;;
+  esac
+done 2>&1 | tee "$out/log.txt"
+tar -C "$work" -czf "$out/results.tgz" .
