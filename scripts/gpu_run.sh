@@ -7,6 +7,7 @@
 # STEP is one word plus arguments for that script, quoted together:
 #   "inprocess ARGS"  benchmarks/inprocess.py      "e2e LABEL ARGS"  benchmarks/e2e.py
 #   "hop ARGS"        benchmarks/hop.py            "pytest ARGS"     the baked project's tests
+#   "soak ARGS"       benchmarks/soak.py (memory over a long mixed load)
 # Everything goes to OUT/results.tgz (one folder per step) and OUT/log.txt.
 set -uo pipefail
 out=$(realpath "$1")
@@ -25,6 +26,7 @@ for step in "$@"; do
     hop) python benchmarks/hop.py "${words[@]:1}" --out "$work/hop" ;;
     e2e) python benchmarks/e2e.py "${words[@]:2}" --out "$work/e2e-${words[1]}" ;;
     pytest) pytest "${words[@]:1}" -p no:cacheprovider ;;
+    soak) python benchmarks/soak.py "${words[@]:1}" --out "$work/soak" ;;
     *) echo "unknown step ${words[0]}" ;;
   esac
 done 2>&1 | tee "$out/log.txt"
