@@ -329,7 +329,7 @@ def test_pre_commit_runs_ruff(project):
 def test_makefile_has_the_deployment_targets(project, tmp_path):
     path = Path(shutil.copytree(project[0], tmp_path / "project"))
     listed = subprocess.run(["make", "help"], cwd=path, capture_output=True, text=True, check=True).stdout
-    for target in ("up", "down", "logs", "test", "bench", "compose-test", "compose-e2e"):
+    for target in ("up", "down", "logs", "test", "bench", "soak", "compose-test", "compose-e2e"):
         assert re.search(rf"^\s*(\x1b\[\d+m)?{target}\b", listed, re.MULTILINE), f"make help lists no {target}"
 
     # Under an outer make (`make test`) the inherited MAKEFLAGS/MAKELEVEL would add "Entering directory" lines.
@@ -349,6 +349,7 @@ def test_makefile_has_the_deployment_targets(project, tmp_path):
         == "docker compose -f docker-compose.yml -f docker-compose.cpu.yml up -d --build --wait triton"
     )
     assert dry_run("bench") == ".venv/bin/python benchmarks/run.py"
+    assert dry_run("soak", "SOAK=--clients 2") == ".venv/bin/python benchmarks/soak.py --clients 2"
 
 
 def test_compose_e2e_scripts_are_executable_shell(project):

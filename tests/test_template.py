@@ -199,6 +199,30 @@ def test_hostile_text_bakes_safely(baker):
     assert hostile in (project / "README.md").read_text()
 
 
+def test_soak_verdict_tells_a_plateau_from_growth(default_project, monkeypatch):
+    """benchmarks/soak.py's verdict on synthetic samples: growth that levels off passes, steady growth fails."""
+    monkeypatch.syspath_prepend(str(default_project / "benchmarks"))
+    import soak
+
+    def samples(rss, shm=64.0):
+        return [
+            {"t_s": 5.0 * i, "rss_mib": {"resnet": r, "tritonserver": 100.0}, "anon_mib": {}, "shm_mib": shm}
+            for i, r in enumerate(rss)
+        ]
+
+    def verdicts(rows):
+        return {(r["metric"], r["process"]): r["verdict"] for r in rows}
+
+    levelling = [900 + min(i, 10) * 90 + (i % 3) * 20 for i in range(30)]  # +900 MiB, then noise only
+    assert set(verdicts(soak.judge(samples(levelling), 64, 16)).values()) == {"flat"}
+    leaking = [900 + 10 * i for i in range(30)]  # 10 MiB per sample, to the end
+    rows = verdicts(soak.judge(samples(leaking), 64, 16))
+    assert rows[("RSS", "resnet")].startswith("GROWS") and rows[("RSS", "tritonserver")] == "flat"
+    shm = [dict(s, shm_mib=64.0 + 16 * (i // 5)) for i, s in enumerate(samples(levelling))]  # a step every 5
+    assert verdicts(soak.judge(shm, 64, 16))[("/dev/shm", "server regions")].startswith("GROWS")
+    assert verdicts(soak.judge(samples([900, 1000, 1100]), 64, 16))[("RSS", "resnet")].startswith("not judged")
+
+
 SUITE_COMBINATIONS = {
     "default": {},
     "resnet18-fp16-batch4-top3-no-ensemble": {
