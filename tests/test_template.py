@@ -206,7 +206,7 @@ def test_soak_verdict_tells_a_plateau_from_growth(default_project, monkeypatch):
 
     def samples(rss, shm=64.0):
         return [
-            {"t_s": 5.0 * i, "rss_mib": {"resnet": r, "tritonserver": 100.0}, "anon_mib": {}, "shm_mib": shm}
+            {"t_s": 5.0 * i, "rss_no_shm_mib": {"resnet": r, "tritonserver": 100.0}, "shm_mib": shm}
             for i, r in enumerate(rss)
         ]
 
@@ -217,10 +217,10 @@ def test_soak_verdict_tells_a_plateau_from_growth(default_project, monkeypatch):
     assert set(verdicts(soak.judge(samples(levelling), 64, 16)).values()) == {"flat"}
     leaking = [900 + 10 * i for i in range(30)]  # 10 MiB per sample, to the end
     rows = verdicts(soak.judge(samples(leaking), 64, 16))
-    assert rows[("RSS", "resnet")].startswith("GROWS") and rows[("RSS", "tritonserver")] == "flat"
+    assert rows[("RSS - shm", "resnet")].startswith("GROWS") and rows[("RSS - shm", "tritonserver")] == "flat"
     shm = [dict(s, shm_mib=64.0 + 16 * (i // 5)) for i, s in enumerate(samples(levelling))]  # a step every 5
     assert verdicts(soak.judge(shm, 64, 16))[("/dev/shm", "server regions")].startswith("GROWS")
-    assert verdicts(soak.judge(samples([900, 1000, 1100]), 64, 16))[("RSS", "resnet")].startswith("not judged")
+    assert verdicts(soak.judge(samples([900, 1000, 1100]), 64, 16))[("RSS - shm", "resnet")].startswith("not judged")
 
 
 SUITE_COMBINATIONS = {

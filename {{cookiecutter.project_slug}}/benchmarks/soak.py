@@ -5,14 +5,15 @@
 Starts the project's tritonserver (its own flags, as `serve`; random weights unless model_repository has
 weights.pt) and runs --clients closed-loop gRPC clients. Each alternates pipeline and ensemble (when present) and
 1 or 4 images per request (500x375 JPEGs), until it has sent --requests or --duration seconds have passed.
-Every --interval seconds it samples, for the server and each Python-backend stub: resident memory (RSS, and its
-anonymous part: the heap), GPU memory (NVML, else nvidia-smi; skipped without a GPU) and the server's /dev/shm
-regions. Writes soak.json, soak.md and soak.png.
+Every --interval seconds it samples, for the server and each Python-backend stub: resident memory (RSS; RSS
+without shared memory; its anonymous part, the heap), GPU memory (NVML, else nvidia-smi; skipped without a GPU)
+and the server's /dev/shm regions. Writes soak.json, soak.md and soak.png.
 
 Exit status 1 when a request failed, or when memory still grows in the last third of the run: for each process,
-the peak of the last third may exceed the peak before it by at most --max-growth-mib (RSS and GPU memory), and
-the /dev/shm regions together by at most --max-shm-growth-mib. A leak raises the peak steadily; a plateau does
-not, however much the allocator's working set moves below it.
+the peak of the last third may exceed the peak before it by at most --max-growth-mib (RSS without shared memory,
+and GPU memory), and the /dev/shm regions together by at most --max-shm-growth-mib. A leak raises the peak
+steadily; a plateau does not, however much the allocator's working set moves below it. Shared memory is judged
+once, as /dev/shm: every process that maps a region counts the pages it touched in its own RSS.
 """
 
 from __future__ import annotations
@@ -108,12 +109,12 @@ def server_processes(shm_prefix: str) -> dict[int, str]:
 
 
 def memory_mib(pid: int) -> dict[str, float]:
-    """VmRSS and RssAnon (the heap, the part a leak grows) from /proc/<pid>/status, in MiB."""
+    """VmRSS, RssAnon (the heap, the part a leak grows) and RssShmem from /proc/<pid>/status, in MiB."""
     values = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             key, _, rest = line.partition(":")
-            if key in ("VmRSS", "RssAnon"):
+            if key in ("VmRSS", "RssAnon", "RssShmem"):
                 values[key] = int(rest.split()[0]) / 1024
     except (OSError, ValueError, IndexError):
         pass
@@ -167,32 +168,42 @@ class GpuMemory:
         return per_pid, used
 
 
-def shm_mib(shm_prefix: str) -> tuple[float, float, int]:
-    """(size, pages actually in use, number of regions) of the server's /dev/shm regions."""
-    size = used = count = 0
+def shm_mib(shm_prefix: str) -> tuple[dict[str, float], float]:
+    """({region: size}, pages actually in use) of the server's /dev/shm regions, in MiB."""
+    sizes, used = {}, 0
     for region in Path("/dev/shm").glob(shm_prefix + "*"):
         try:
             stat = region.stat()
         except OSError:
             continue
-        size, used, count = size + stat.st_size, used + stat.st_blocks * 512, count + 1
-    return size / MiB, used / MiB, count
+        sizes[region.name[len(shm_prefix) :]] = stat.st_size / MiB
+        used += stat.st_blocks * 512
+    return sizes, used / MiB
 
 
 def sample(t: float, shm_prefix: str, gpu: GpuMemory, done: int, failed: int) -> dict:
     labels = server_processes(shm_prefix)
-    point = {"t_s": round(t, 2), "requests": done, "failed": failed, "rss_mib": {}, "anon_mib": {}}
+    point = {
+        "t_s": round(t, 2),
+        "requests": done,
+        "failed": failed,
+        "rss_mib": {},
+        "rss_no_shm_mib": {},
+        "anon_mib": {},
+    }
     for pid, label in labels.items():
         mem = memory_mib(pid)
         if "VmRSS" in mem:
             point["rss_mib"][label] = mem["VmRSS"]
+            point["rss_no_shm_mib"][label] = mem["VmRSS"] - mem.get("RssShmem", 0.0)
             point["anon_mib"][label] = mem.get("RssAnon", 0.0)
     gpu_sample = gpu.sample()
     if gpu_sample is not None:
         per_pid, used = gpu_sample
         point["gpu_mib"] = {label: per_pid[pid] for pid, label in labels.items() if pid in per_pid}
         point["gpu_device_used_mib"] = used
-    point["shm_mib"], point["shm_used_mib"], point["shm_regions"] = shm_mib(shm_prefix)
+    point["shm_regions_mib"], point["shm_used_mib"] = shm_mib(shm_prefix)
+    point["shm_mib"] = sum(point["shm_regions_mib"].values())
     return point
 
 
@@ -221,7 +232,8 @@ def judge(samples: list[dict], max_growth_mib: float, max_shm_growth_mib: float)
     """One row per (metric, process): start, thirds, end, peak growth in the last third, verdict."""
     rows = []
     metrics = [
-        ("RSS", "rss_mib", max_growth_mib),
+        ("RSS", "rss_mib", None),
+        ("RSS - shm", "rss_no_shm_mib", max_growth_mib),
         ("heap (RssAnon)", "anon_mib", None),
         ("GPU", "gpu_mib", max_growth_mib),
     ]
@@ -338,8 +350,9 @@ def main(argv=None) -> int:
             f"p50 {summary['p50_ms']:.0f} ms, p99 {summary['p99_ms']:.0f} ms. Memory sampled every "
             f"{args.interval:g} s; GPU memory from {gpu.source}.",
             "growth = peak of the last third of the run over the peak before it; a process passes when it is at "
-            f"most {args.max_growth_mib:g} MiB (RSS, GPU) and the /dev/shm regions when at most "
-            f"{args.max_shm_growth_mib:g} MiB. Heap (RssAnon) is RSS without mapped files and shared memory.",
+            f"most {args.max_growth_mib:g} MiB (RSS - shm, GPU) and the /dev/shm regions when at most "
+            f"{args.max_shm_growth_mib:g} MiB. RSS - shm: RSS without the /dev/shm pages the process touched "
+            "(judged once, as /dev/shm); heap (RssAnon): without mapped files either.",
             f"Verdict: {'PASS' if summary['passed'] else 'FAIL'}.",
         ],
         "summary": summary,
@@ -363,13 +376,13 @@ def main(argv=None) -> int:
         minutes = [s["t_s"] / 60 for s in samples]
         cut = minutes[0] + (minutes[-1] - minutes[0]) * 2 / 3
         ax.axvspan(cut, minutes[-1], color="0.9", label="last third (judged)")
-        for i, (label, points) in enumerate(sorted(series(samples, "rss_mib").items())):
-            ax.plot([t / 60 for t, _ in points], [v for _, v in points], "-", color=f"C{i}", label=f"RSS {label}")
+        for i, (label, points) in enumerate(sorted(series(samples, "rss_no_shm_mib").items())):
+            ax.plot([t / 60 for t, _ in points], [v for _, v in points], "-", color=f"C{i % 10}", label=label)
         for i, (label, points) in enumerate(sorted(series(samples, "gpu_mib").items())):
-            ax.plot([t / 60 for t, _ in points], [v for _, v in points], "--", color=f"C{i}", label=f"GPU {label}")
+            ax.plot([t / 60 for t, _ in points], [v for _, v in points], "--", color=f"C{i % 10}", label=f"GPU {label}")
         ax.plot(minutes, [s["shm_mib"] for s in samples], ":", color="black", label="/dev/shm regions")
         ax.set_xlabel("minutes of load")
-        ax.set_ylabel("MiB")
+        ax.set_ylabel("MiB: RSS - shm (solid), GPU (dashed)")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7, loc="upper left")
         requests = ax.twinx()
