@@ -372,24 +372,7 @@ def main(argv=None) -> int:
         "verdict",
     ]
 
-    def plot(ax):
-        minutes = [s["t_s"] / 60 for s in samples]
-        cut = minutes[0] + (minutes[-1] - minutes[0]) * 2 / 3
-        ax.axvspan(cut, minutes[-1], color="0.9", label="last third (judged)")
-        for i, (label, points) in enumerate(sorted(series(samples, "rss_no_shm_mib").items())):
-            ax.plot([t / 60 for t, _ in points], [v for _, v in points], "-", color=f"C{i % 10}", label=label)
-        for i, (label, points) in enumerate(sorted(series(samples, "gpu_mib").items())):
-            ax.plot([t / 60 for t, _ in points], [v for _, v in points], "--", color=f"C{i % 10}", label=f"GPU {label}")
-        ax.plot(minutes, [s["shm_mib"] for s in samples], ":", color="black", label="/dev/shm regions")
-        ax.set_xlabel("minutes of load")
-        ax.set_ylabel("MiB: RSS - shm (solid), GPU (dashed)")
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7, loc="upper left")
-        requests = ax.twinx()
-        requests.plot(minutes, [s["requests"] for s in samples], color="0.5", linewidth=0.8)
-        requests.set_ylabel("requests served (grey)", color="0.4")
-
-    write(args.name, results, rows, columns, plot, args.out)
+    write(args.name, results, rows, columns, plot_memory(samples), args.out)
     print(f"\n{results['notes'][0]}")
     for r in rows:
         growth = "-" if r["growth_last_third_mib"] is None else f"{r['growth_last_third_mib']:+.0f}"
@@ -401,6 +384,33 @@ def main(argv=None) -> int:
         print(f"{len(errors)} failed requests, first: {errors[0]}")
     print("PASS" if summary["passed"] else "FAIL")
     return 0 if summary["passed"] else 1
+
+
+def plot_memory(samples: list[dict]):
+    """plot(ax) for _common.write: memory per process over the run, the judged last third shaded."""
+
+    def plot(ax):
+        from matplotlib import colormaps
+
+        minutes = [s["t_s"] / 60 for s in samples]
+        cut = minutes[0] + (minutes[-1] - minutes[0]) * 2 / 3
+        ax.axvspan(cut, minutes[-1], color="0.92", label="last third (judged)")
+        processes = sorted({label for s in samples for label in s["rss_no_shm_mib"]})
+        color = dict(zip(processes, colormaps["tab20"].colors))
+        for key, style, prefix in (("rss_no_shm_mib", "-", ""), ("gpu_mib", "--", "GPU ")):
+            for label, points in sorted(series(samples, key).items()):
+                x, y = [t / 60 for t, _ in points], [v for _, v in points]
+                ax.plot(x, y, style, color=color.get(label, "black"), label=prefix + label)
+        ax.plot(minutes, [s["shm_mib"] for s in samples], ":", color="black", label="/dev/shm regions")
+        ax.set_xlabel("minutes of load")
+        ax.set_ylabel("MiB: RSS - shm (solid), GPU (dashed)")
+        ax.set_ylim(bottom=0)
+        requests = ax.twinx()
+        requests.plot(minutes, [s["requests"] for s in samples], "-.", color="0.55", linewidth=0.8)
+        requests.set_ylabel("requests served (dash-dot)", color="0.4")
+        ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.13))
+
+    return plot
 
 
 def run_load(args, url, models, sizes, prefix, gpu):
