@@ -8,7 +8,8 @@
 #   "inprocess ARGS"  benchmarks/inprocess.py      "e2e LABEL ARGS"  benchmarks/e2e.py
 #   "hop ARGS"        benchmarks/hop.py            "pytest ARGS"     the baked project's tests
 #   "soak ARGS"       benchmarks/soak.py (memory over a long mixed load)
-# Everything goes to OUT/results.tgz (one folder per step) and OUT/log.txt.
+# A step may start with a time limit in seconds ("240 pytest tests/test_gpu.py").
+# Everything goes to OUT/results.tgz (one folder per step, written after each step) and OUT/log.txt.
 set -uo pipefail
 out=$(realpath "$1")
 shift
@@ -20,14 +21,19 @@ image-classifier weights random
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for step in "$@"; do
   read -r -a words <<<"$step"
+  limit=()
+  if [[ ${words[0]} =~ ^[0-9]+$ ]]; then
+    limit=(timeout -s TERM "${words[0]}")
+    words=("${words[@]:1}")
+  fi
   echo "=== $(date -u +%T) $step"
   case ${words[0]} in
-    inprocess) python benchmarks/inprocess.py "${words[@]:1}" --out "$work/inprocess" ;;
-    hop) python benchmarks/hop.py "${words[@]:1}" --out "$work/hop" ;;
-    e2e) python benchmarks/e2e.py "${words[@]:2}" --out "$work/e2e-${words[1]}" ;;
-    pytest) pytest "${words[@]:1}" -p no:cacheprovider ;;
-    soak) python benchmarks/soak.py "${words[@]:1}" --out "$work/soak" ;;
+    inprocess) "${limit[@]}" python benchmarks/inprocess.py "${words[@]:1}" --out "$work/inprocess" ;;
+    hop) "${limit[@]}" python benchmarks/hop.py "${words[@]:1}" --out "$work/hop" ;;
+    e2e) "${limit[@]}" python benchmarks/e2e.py "${words[@]:2}" --out "$work/e2e-${words[1]}" ;;
+    pytest) "${limit[@]}" pytest "${words[@]:1}" -p no:cacheprovider ;;
+    soak) "${limit[@]}" python benchmarks/soak.py "${words[@]:1}" --out "$work/soak" ;;
     *) echo "unknown step ${words[0]}" ;;
   esac
+  tar -C "$work" -czf "$out/results.tgz" .
 done 2>&1 | tee "$out/log.txt"
-tar -C "$work" -czf "$out/results.tgz" .

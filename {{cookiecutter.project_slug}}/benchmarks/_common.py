@@ -125,16 +125,6 @@ def set_precision(repository: Path, precision: str) -> None:
         path.write_text(text)
 
 
-def set_instances(repository: Path, counts: dict[str, int]) -> None:
-    """Rewrite the instance_group count of some models: `{"preprocess": 4, "pipeline": 2}`."""
-    for model, count in counts.items():
-        path = repository / model / "config.pbtxt"
-        text, found = re.subn(r"(instance_group \[ \{ count: )\d+", rf"\g<1>{count}", path.read_text())
-        if not found:
-            raise ValueError(f"{path}: no instance_group count to rewrite")
-        path.write_text(text)
-
-
 def bench_server(repository: Path, log_path: Path, pool_bytes: int | None = None):
     """The project's own tritonserver (same flags as `serve`) on free ports, optionally with another pool size."""
     from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer, visible_gpus

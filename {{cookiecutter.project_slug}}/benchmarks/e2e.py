@@ -27,7 +27,6 @@ from _common import (
     environment,
     model_statistics,
     sample_jpegs,
-    set_instances,
     set_precision,
     statistics_delta,
     write,
@@ -116,15 +115,17 @@ def run_point(url, model, images, concurrency, seconds, warmup_s=1.0, max_procs=
 
 def perf_analyzer_point(url, headers, model, image, batch, concurrency, seconds, workdir: Path) -> dict:
     """The same point measured by Triton's perf_analyzer (the same JPEG `batch` times per request)."""
+    import base64
     import csv
+    import json
     import subprocess
 
     import tritonclient.utils
 
-    data = workdir / "pa_input"
-    data.mkdir(exist_ok=True)
-    # directory input: one file per input with the raw (length-prefixed) bytes of a batch-1 request
-    (data / "IMAGE").write_bytes(tritonclient.utils.serialize_byte_tensor(np.array([image], dtype=object)).item())
+    # one batch-1 element: the JPEG as a serialized (length-prefixed) BYTES tensor, base64 in perf_analyzer's JSON
+    raw = tritonclient.utils.serialize_byte_tensor(np.array([image], dtype=object)).item()
+    data = workdir / "pa_input.json"
+    data.write_text(json.dumps({"data": [{"IMAGE": {"b64": base64.b64encode(raw).decode()}}]}))
     report = workdir / f"pa_{model}_{batch}_{concurrency}.csv"
     argv = ["perf_analyzer", "-m", model, "-u", url, "-i", "grpc", "-b", str(batch), "--input-data", str(data)]
     argv += ["--shape", "IMAGE:1", "--concurrency-range", str(concurrency), "-f", str(report)]
@@ -145,7 +146,7 @@ def perf_analyzer_point(url, headers, model, image, batch, concurrency, seconds,
 
 
 def main(argv=None) -> dict:
-    from {{ cookiecutter.package_name }}.model_repository import resnet_weights
+    from {{ cookiecutter.package_name }}.model_repository import resnet_weights, set_instance_counts
     from {{ cookiecutter.package_name }}.weights import write_random
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -183,7 +184,7 @@ def main(argv=None) -> dict:
             if precision:
                 set_precision(repo, precision)
             instances = {m: int(c) for m, c in (item.split("=") for item in args.instances)}
-            set_instances(repo, instances)
+            set_instance_counts(repo, instances)
             label = (precision or "as baked") + "".join(f" {m}x{c}" for m, c in instances.items())
             server = bench_server(repo, Path(tmp) / "tritonserver.log")
             try:

@@ -22,7 +22,13 @@ from PIL import Image
 from tritonclient.grpc import model_config_pb2
 
 from {{ cookiecutter.package_name }}.client import ImageClassifier
-from {{ cookiecutter.package_name }}.model_repository import load_config, resnet_weights, top_k
+from {{ cookiecutter.package_name }}.model_repository import (
+    load_config,
+    python_models,
+    resnet_weights,
+    set_instance_counts,
+    top_k,
+)
 from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
 from {{ cookiecutter.package_name }}.stages import Reference
 from {{ cookiecutter.package_name }}.weights import write_random
@@ -81,6 +87,10 @@ def model_repository(tmp_path_factory) -> Path:
         return Path(EXTERNAL_REPOSITORY or PROJECT / "model_repository")
     repo = tmp_path_factory.mktemp("triton") / "model_repository"
     shutil.copytree(PROJECT / "model_repository", repo, ignore=shutil.ignore_patterns("weights.pt", "__pycache__"))
+    if not torch.cuda.is_available():
+        # The shipped counts overlap stages on a GPU; on a CPU (2 cores in CI) extra stubs only cost load time and
+        # memory, so the CPU tests run one instance per model. The GPU tests serve the shipped counts.
+        set_instance_counts(repo, dict.fromkeys(python_models(repo), 1))
     variant, weights = resnet_weights(repo)
     write_random(variant, weights, seed=0)
     return repo

@@ -28,9 +28,9 @@ import tritonclient.grpc as grpcclient
 from conftest import PROJECT, TRITON_DTYPES, image_input, infer, make_image
 from tritonclient.grpc import model_config_pb2
 
-from {{ cookiecutter.package_name }}.model_repository import load_config, resnet_weights, top_k
+from {{ cookiecutter.package_name }}.model_repository import load_config, python_models, resnet_weights, top_k
 from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
-from {{ cookiecutter.package_name }}.stages import Preprocess, Reference
+from {{ cookiecutter.package_name }}.stages import InvalidImage, Preprocess, Reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -124,10 +124,6 @@ def string_tensor_names(repository: Path) -> set[str]:
     return names
 
 
-def python_models(repository: Path) -> list[str]:
-    return sorted(p.parent.parent.name for p in repository.glob("*/1/model.py"))
-
-
 def start(repository: Path, log_path: Path) -> TritonServer:
     settings = ServerSettings.on_free_ports(repository)
     triton = TritonServer(settings, container=False, log=open(log_path, "w")).start()
@@ -195,6 +191,33 @@ def test_gpu_preprocess_decodes_on_the_device_and_matches_the_cpu():
     # on an H200, 2% of the values differed by more than 0.1 (normalized), a few by up to 1.2.
     diff = (gpu.cpu().float() - Preprocess()(images)).abs()
     assert diff.mean() < 0.02 and (diff > 0.1).float().mean() < 0.05, (diff.mean(), (diff > 0.1).float().mean())
+
+
+def test_a_truncated_jpeg_is_rejected_on_the_gpu_too():
+    data = make_image(7)
+    with pytest.raises(InvalidImage, match="truncated JPEG"):
+        Preprocess("cuda:0")([data[: len(data) // 3]])
+
+
+def test_concurrent_gpu_decodes_match_the_cpu_decode_image_by_image(server):
+    """Many different images in batches, through the preprocess instances running at once, each compared with the
+    CPU decode: guards against decoder output corruption under concurrency (pytorch/vision#9606)."""
+    config = load_config(PROJECT / "model_repository" / "preprocess")
+    assert config.instance_group[0].count > 1, "needs several preprocess instances to run concurrently"
+    images = [make_image(300 + i, size=(240 + 8 * (i % 11), 180 + 6 * (i % 7))) for i in range(96)]
+    batches = [images[i : i + min(8, MAX_BATCH)] for i in range(0, len(images), min(8, MAX_BATCH))]
+    cpu = Preprocess()
+
+    def check(batch):
+        pixels = infer(server.grpc_url, [image_input(batch)], "preprocess").as_numpy("PIXELS")
+        diff = (torch.from_numpy(pixels.astype(np.float32)) - cpu(batch)).abs()
+        # per image: nvJPEG vs libjpeg differ by a few levels (see the test above); corruption differs wholesale
+        return [(float(d.mean()), float((d > 0.1).float().mean())) for d in diff]
+
+    with ThreadPoolExecutor(8) as pool:
+        stats = [s for batch_stats in pool.map(check, batches * 3) for s in batch_stats]
+    worst = max(stats)
+    assert all(mean < 0.02 and far < 0.05 for mean, far in stats), worst
 
 
 def test_the_baked_default_serves_every_model_with_kind_gpu(server, probed):

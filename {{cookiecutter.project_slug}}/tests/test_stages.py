@@ -74,13 +74,26 @@ def test_batch_isolates_a_bad_group():
     torch.testing.assert_close(results[0], Preprocess()(good))
 
 
-def test_truncated_jpeg_is_invalid_or_decodes_to_its_header_size():
+@pytest.mark.parametrize("fraction", [1 / 3, 0.9, 0.999])
+def test_a_truncated_jpeg_is_invalid_before_any_decode(fraction):
+    # nvJPEG decodes a cut-off JPEG without complaint; the header check refuses it on every device alike.
     data = make_image(7)
-    try:
-        pixels = Preprocess()([data[: len(data) // 3]])
-    except InvalidImage:
-        return
-    assert pixels.shape == (1, 3, 224, 224)
+    with pytest.raises(InvalidImage, match="truncated JPEG"):
+        inspect_image(data[: int(len(data) * fraction)], max_pixels=40_000_000)
+    with pytest.raises(InvalidImage, match="truncated JPEG"):
+        Preprocess()([data[: int(len(data) * fraction)]])
+
+
+def test_a_complete_jpeg_with_trailing_bytes_is_accepted():
+    data = make_image(7) + b"\x00" * 16  # padding after the end-of-image marker, as some cameras write
+    assert Preprocess()([data]).shape == (1, 3, 224, 224)
+
+
+def test_batch_of_mixed_sizes_matches_each_image_alone():
+    images = [make_image(20 + i, size=(200 + 40 * (i % 3), 150 + 30 * (i % 2))) for i in range(7)]
+    together = Preprocess().batch([images[:3], images[3:]])
+    alone = torch.cat([Preprocess()([image]) for image in images])
+    torch.testing.assert_close(torch.cat(together), alone)
 
 
 def test_postprocess_top_k_is_sorted_probabilities_with_labels():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from google.protobuf import text_format
@@ -28,3 +29,18 @@ def resnet_weights(repository: Path | str) -> tuple[str, Path]:
 def top_k(repository: Path | str) -> int:
     config = load_config(Path(repository) / "postprocess")
     return next(out.dims[0] for out in config.output if out.name == "SCORES")
+
+
+def set_instance_counts(repository: Path | str, counts: dict[str, int]) -> None:
+    """Rewrite the instance_group count of some models in place, comments kept: `{"preprocess": 4}`."""
+    for model, count in counts.items():
+        path = Path(repository) / model / "config.pbtxt"
+        text, found = re.subn(r"(instance_group \[ \{ count: )\d+", rf"\g<1>{count}", path.read_text())
+        if not found:
+            raise ValueError(f"{path}: no instance_group count to rewrite")
+        path.write_text(text)
+
+
+def python_models(repository: Path | str) -> list[str]:
+    """The models of the repository that run on the Python backend."""
+    return sorted(p.parent.parent.name for p in Path(repository).glob("*/1/model.py"))

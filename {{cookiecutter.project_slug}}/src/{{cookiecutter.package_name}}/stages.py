@@ -84,6 +84,8 @@ class Preprocess:
         std = torch.tensor(IMAGENET_STD, device=self.device).view(1, 3, 1, 1)
         # (x / 255 - mean) / std as one multiply-add
         self.scale, self.shift = 1 / (255 * std), -mean / std
+        if self.on_gpu:  # nvJPEG's and the kernels' one-time setup, here rather than in the first request
+            self.batch([[_blank_jpeg(), _blank_jpeg()]])
 
     def decode(self, data: bytes, fmt: str, width: int, height: int) -> torch.Tensor:
         """One encoded image -> uint8 [3, H, W] on the device. Raises InvalidImage."""
@@ -219,6 +221,12 @@ class Preprocess:
         if isinstance(result, InvalidImage):
             raise result
         return result
+
+
+def _blank_jpeg(size=(64, 48)) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, (128, 128, 128)).save(out, format="JPEG")
+    return out.getvalue()
 
 
 class _Image(NamedTuple):
