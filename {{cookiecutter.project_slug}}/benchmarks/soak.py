@@ -4,7 +4,8 @@
 
 Starts the project's tritonserver (its own flags, as `serve`; random weights unless model_repository has
 weights.pt) and runs --clients closed-loop gRPC clients. Each alternates pipeline and ensemble (when present) and
-1 or 4 images per request (500x375 JPEGs), until it has sent --requests or --duration seconds have passed.
+1 or 4 images per request (500x375 JPEGs), until it has sent --requests or --duration seconds have passed
+(SIGTERM or Ctrl-C end the load early; what was measured is still written and judged).
 Every --interval seconds it samples, for the server and each Python-backend stub: resident memory (RSS; RSS
 without shared memory; its anonymous part, the heap), GPU memory (NVML, else nvidia-smi; skipped without a GPU)
 and the server's /dev/shm regions. Writes soak.json, soak.md and soak.png.
@@ -22,6 +23,7 @@ import argparse
 import multiprocessing as mp
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -42,6 +44,8 @@ def worker(url, models, images_per_request, threads, first_client, requests, dea
     """`threads` closed-loop gRPC clients; each counts into `done`/`failed` and reports its latencies at the end."""
     import tritonclient.grpc as grpcclient
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C ends the run through the parent (`deadline`)
+
     jpegs = sample_jpegs(8)
     latencies, errors, lock = [], [], threading.Lock()
 
@@ -55,7 +59,7 @@ def worker(url, models, images_per_request, threads, first_client, requests, dea
         client = grpcclient.InferenceServerClient(url)
         mine, bad = [], []
         for n in range(requests):
-            if time.time() >= deadline:
+            if time.time() >= deadline.value:
                 break
             # every client cycles through every (entry point, images per request) pair, offset by its id
             model = models[(client_id + n) % len(models)]
@@ -420,7 +424,14 @@ def run_load(args, url, models, sizes, prefix, gpu):
     split = [args.clients // procs + (i < args.clients % procs) for i in range(procs)]
     done, failed, results = ctx.Value("q", 0), ctx.Value("q", 0), ctx.Queue()
     started = time.monotonic()
-    deadline = time.time() + args.duration
+    deadline = ctx.Value("d", time.time() + args.duration)
+
+    def finish_now(signum, frame):  # SIGTERM (a time limit) or Ctrl-C: stop sending, keep what was measured
+        print(f"signal {signum}: the clients stop after their current request", flush=True)
+        deadline.value = 0.0
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, finish_now)
     samples = [sample(0.0, prefix, gpu, 0, 0)]  # the idle server, before any request
     workers = [
         ctx.Process(
