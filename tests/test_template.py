@@ -204,9 +204,14 @@ def test_soak_verdict_tells_a_plateau_from_growth(default_project, monkeypatch):
     monkeypatch.syspath_prepend(str(default_project / "benchmarks"))
     import soak
 
-    def samples(rss, shm=64.0):
+    def samples(rss, shm=16.0):
         return [
-            {"t_s": 5.0 * i, "rss_no_shm_mib": {"resnet": r, "tritonserver": 100.0}, "shm_mib": shm}
+            {
+                "t_s": 5.0 * i,
+                "rss_no_shm_mib": {"resnet": r, "tritonserver": 100.0},
+                "shm_regions_mib": {"resnet": shm, "pipeline": 16.0},
+                "shm_mib": shm + 16.0,
+            }
             for i, r in enumerate(rss)
         ]
 
@@ -214,12 +219,22 @@ def test_soak_verdict_tells_a_plateau_from_growth(default_project, monkeypatch):
         return {(r["metric"], r["process"]): r["verdict"] for r in rows}
 
     levelling = [900 + min(i, 10) * 90 + (i % 3) * 20 for i in range(30)]  # +900 MiB, then noise only
-    assert set(verdicts(soak.judge(samples(levelling), 64, 16)).values()) == {"flat"}
+    assert set(verdicts(soak.judge(samples(levelling), 64, 16)).values()) == {"flat", "reported"}  # reported: no bound
     leaking = [900 + 10 * i for i in range(30)]  # 10 MiB per sample, to the end
     rows = verdicts(soak.judge(samples(leaking), 64, 16))
     assert rows[("RSS - shm", "resnet")].startswith("GROWS") and rows[("RSS - shm", "tritonserver")] == "flat"
-    shm = [dict(s, shm_mib=64.0 + 16 * (i // 5)) for i, s in enumerate(samples(levelling))]  # a step every 5
-    assert verdicts(soak.judge(shm, 64, 16))[("/dev/shm", "server regions")].startswith("GROWS")
+    # a region that steps up once, late, has met a larger burst; one that keeps stepping up is leaking
+    once = [
+        dict(s, shm_regions_mib={"resnet": 16.0 + 16 * (i >= 25), "pipeline": 16.0})
+        for i, s in enumerate(samples(levelling))
+    ]
+    assert verdicts(soak.judge(once, 64, 16))[("/dev/shm", "resnet region")] == "flat"
+    steps = [
+        dict(s, shm_regions_mib={"resnet": 16.0 + 16 * (i // 5), "pipeline": 16.0})
+        for i, s in enumerate(samples(levelling))
+    ]
+    rows = verdicts(soak.judge(steps, 64, 16))
+    assert rows[("/dev/shm", "resnet region")].startswith("GROWS") and rows[("/dev/shm", "pipeline region")] == "flat"
     assert verdicts(soak.judge(samples([900, 1000, 1100]), 64, 16))[("RSS - shm", "resnet")].startswith("not judged")
 
 
@@ -245,7 +260,11 @@ def run_baked_tests(project: Path, *pytest_args: str) -> subprocess.CompletedPro
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *pytest_args],
-        cwd=project, env=env, capture_output=True, text=True, timeout=1800,
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     print(result.stdout[-6000:], result.stderr[-3000:])
     return result

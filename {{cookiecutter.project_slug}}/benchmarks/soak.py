@@ -12,7 +12,7 @@ and the server's /dev/shm regions. Writes soak.json, soak.md and soak.png.
 
 Exit status 1 when a request failed, or when memory still grows in the last third of the run: for each process,
 the peak of the last third may exceed the peak before it by at most --max-growth-mib (RSS without shared memory,
-and GPU memory), and the /dev/shm regions together by at most --max-shm-growth-mib. A leak raises the peak
+and GPU memory), and each /dev/shm region by at most --max-shm-growth-mib. A leak raises the peak
 steadily; a plateau does not, however much the allocator's working set moves below it. Shared memory is judged
 once, as /dev/shm: every process that maps a region counts the pages it touched in its own RSS.
 """
@@ -92,9 +92,10 @@ def worker(url, models, images_per_request, threads, first_client, requests, dea
 # ---------------------------------------------------------------- what is sampled
 
 
-def server_processes(shm_prefix: str) -> dict[int, str]:
-    """{pid: label}: "tritonserver" and one label per stub (its model; #2, #3... for more instances)."""
-    found = []
+def server_processes(shm_prefix: str) -> tuple[dict[int, str], dict[str, str]]:
+    """({pid: label}, {shm region: label}): "tritonserver" and one label per stub (its model; #2, #3... for more
+    instances); a stub's command line names its /dev/shm region."""
+    found, regions = [], {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -103,13 +104,15 @@ def server_processes(shm_prefix: str) -> dict[int, str]:
         except (OSError, ValueError):
             continue
         if shm_prefix in cmdline:
-            stub = STUB.search(cmdline)
-            found.append((int(entry.name), stub.group(1) if stub else "tritonserver"))
+            stub, region = STUB.search(cmdline), re.search(re.escape(shm_prefix) + r"(\S+)", cmdline)
+            found.append((int(entry.name), stub.group(1) if stub else "tritonserver", region and region.group(1)))
     labels, seen = {}, {}
-    for pid, name in sorted(found):
+    for pid, name, region in sorted(found):
         seen[name] = seen.get(name, 0) + 1
         labels[pid] = name if seen[name] == 1 else f"{name}#{seen[name]}"
-    return labels
+        if region and name != "tritonserver":
+            regions[region] = labels[pid]
+    return labels, regions
 
 
 def memory_mib(pid: int) -> dict[str, float]:
@@ -186,7 +189,7 @@ def shm_mib(shm_prefix: str) -> tuple[dict[str, float], float]:
 
 
 def sample(t: float, shm_prefix: str, gpu: GpuMemory, done: int, failed: int) -> dict:
-    labels = server_processes(shm_prefix)
+    labels, regions = server_processes(shm_prefix)
     point = {
         "t_s": round(t, 2),
         "requests": done,
@@ -206,7 +209,8 @@ def sample(t: float, shm_prefix: str, gpu: GpuMemory, done: int, failed: int) ->
         per_pid, used = gpu_sample
         point["gpu_mib"] = {label: per_pid[pid] for pid, label in labels.items() if pid in per_pid}
         point["gpu_device_used_mib"] = used
-    point["shm_regions_mib"], point["shm_used_mib"] = shm_mib(shm_prefix)
+    sizes, point["shm_used_mib"] = shm_mib(shm_prefix)
+    point["shm_regions_mib"] = {regions.get(name, name): size for name, size in sizes.items()}
     point["shm_mib"] = sum(point["shm_regions_mib"].values())
     return point
 
@@ -246,7 +250,9 @@ def judge(samples: list[dict], max_growth_mib: float, max_shm_growth_mib: float)
     ]
     if any("gpu_device_used_mib" in s for s in samples):
         tracks.append(("GPU", "all GPUs (device)", [(s["t_s"], s["gpu_device_used_mib"]) for s in samples], None))
-    tracks.append(("/dev/shm", "server regions", [(s["t_s"], s["shm_mib"]) for s in samples], max_shm_growth_mib))
+    for label, points in series(samples, "shm_regions_mib").items():
+        tracks.append(("/dev/shm", f"{label} region", points, max_shm_growth_mib))
+    tracks.append(("/dev/shm", "all regions", [(s["t_s"], s["shm_mib"]) for s in samples], None))
     for name, label, points, bound in tracks:
         times, values = [t for t, _ in points], [v for _, v in points]
         growth = growth_last_third(times, values)
@@ -304,7 +310,7 @@ def main(argv=None) -> int:
         "--max-shm-growth-mib",
         type=float,
         default=16.0,
-        help="the server's /dev/shm regions together (16 MiB = one growth step of a region)",
+        help="per /dev/shm region (16 MiB = one growth step: a region grows to its largest tensors in flight)",
     )
     parser.add_argument("--name", default="soak", help="output file names: <name>.json, .md, .png")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -354,7 +360,7 @@ def main(argv=None) -> int:
             f"p50 {summary['p50_ms']:.0f} ms, p99 {summary['p99_ms']:.0f} ms. Memory sampled every "
             f"{args.interval:g} s; GPU memory from {gpu.source}.",
             "growth = peak of the last third of the run over the peak before it; a process passes when it is at "
-            f"most {args.max_growth_mib:g} MiB (RSS - shm, GPU) and the /dev/shm regions when at most "
+            f"most {args.max_growth_mib:g} MiB (RSS - shm, GPU), and a /dev/shm region when at most "
             f"{args.max_shm_growth_mib:g} MiB. RSS - shm: RSS without the /dev/shm pages the process touched "
             "(judged once, as /dev/shm); heap (RssAnon): without mapped files either.",
             f"Verdict: {'PASS' if summary['passed'] else 'FAIL'}.",
