@@ -219,6 +219,7 @@ def test_soak_verdict_tells_a_plateau_from_growth(default_project, monkeypatch):
         return {(r["metric"], r["process"]): r["verdict"] for r in rows}
 
     levelling = [900 + min(i, 10) * 90 + (i % 3) * 20 for i in range(30)]  # +900 MiB, then noise only
+    levelling[26] += 400  # one large batch late in the run: a spike, not growth
     assert set(verdicts(soak.judge(samples(levelling), 64, 16)).values()) == {"flat", "reported"}  # reported: no bound
     leaking = [900 + 10 * i for i in range(30)]  # 10 MiB per sample, to the end
     rows = verdicts(soak.judge(samples(leaking), 64, 16))

@@ -11,10 +11,11 @@ without shared memory; its anonymous part, the heap), GPU memory (NVML, else nvi
 and the server's /dev/shm regions. Writes soak.json, soak.md and soak.png.
 
 Exit status 1 when a request failed, or when memory still grows in the last third of the run: for each process,
-the peak of the last third may exceed the peak before it by at most --max-growth-mib (RSS without shared memory,
-and GPU memory), and each /dev/shm region by at most --max-shm-growth-mib. A leak raises the peak
-steadily; a plateau does not, however much the allocator's working set moves below it. Shared memory is judged
-once, as /dev/shm: every process that maps a region counts the pages it touched in its own RSS.
+the median of the last third of the run may exceed the median of the middle third by at most --max-growth-mib
+(RSS without shared memory, and GPU memory), and each /dev/shm region by at most --max-shm-growth-mib. A leak
+moves the median steadily up; a plateau does not, however much a single large batch spikes the allocator.
+Shared memory is judged once, as /dev/shm: every process that maps a region counts the pages it touched in its
+own RSS.
 """
 
 from __future__ import annotations
@@ -219,13 +220,13 @@ def sample(t: float, shm_prefix: str, gpu: GpuMemory, done: int, failed: int) ->
 
 
 def growth_last_third(times: list[float], values: list[float]) -> float | None:
-    """Peak of the last third of the run over the peak before it (None: too few samples to tell)."""
-    cut = times[0] + (times[-1] - times[0]) * 2 / 3
-    before = [v for t, v in zip(times, values) if t < cut]
-    last = [v for t, v in zip(times, values) if t >= cut]
-    if len(before) < 3 or len(last) < 3:
+    """Median of the last third of the run over the median of the middle third (None: too few samples)."""
+    third = (times[-1] - times[0]) / 3
+    middle = [v for t, v in zip(times, values) if times[0] + third <= t < times[0] + 2 * third]
+    last = [v for t, v in zip(times, values) if t >= times[0] + 2 * third]
+    if len(middle) < 3 or len(last) < 3:
         return None
-    return max(last) - max(before)
+    return float(np.median(last) - np.median(middle))
 
 
 def series(samples: list[dict], key: str) -> dict[str, list[tuple[float, float]]]:
@@ -237,7 +238,7 @@ def series(samples: list[dict], key: str) -> dict[str, list[tuple[float, float]]
 
 
 def judge(samples: list[dict], max_growth_mib: float, max_shm_growth_mib: float) -> list[dict]:
-    """One row per (metric, process): start, thirds, end, peak growth in the last third, verdict."""
+    """One row per (metric, process): start, thirds, end, peak, growth in the last third, verdict."""
     rows = []
     metrics = [
         ("RSS", "rss_mib", None),
@@ -304,7 +305,7 @@ def main(argv=None) -> int:
         "--max-growth-mib",
         type=float,
         default=64.0,
-        help="per process, RSS and GPU memory: peak of the last third over the peak before it",
+        help="per process, RSS and GPU memory: median of the last third over the median of the middle third",
     )
     parser.add_argument(
         "--max-shm-growth-mib",
@@ -359,8 +360,8 @@ def main(argv=None) -> int:
             f"{done:,} requests in {elapsed:.0f} s ({summary['requests_per_s']:.1f}/s), {len(errors)} failed; "
             f"p50 {summary['p50_ms']:.0f} ms, p99 {summary['p99_ms']:.0f} ms. Memory sampled every "
             f"{args.interval:g} s; GPU memory from {gpu.source}.",
-            "growth = peak of the last third of the run over the peak before it; a process passes when it is at "
-            f"most {args.max_growth_mib:g} MiB (RSS - shm, GPU), and a /dev/shm region when at most "
+            "growth = median of the last third of the run over the median of the middle third; a process passes "
+            f"when it is at most {args.max_growth_mib:g} MiB (RSS - shm, GPU), and a /dev/shm region when at most "
             f"{args.max_shm_growth_mib:g} MiB. RSS - shm: RSS without the /dev/shm pages the process touched "
             "(judged once, as /dev/shm); heap (RssAnon): without mapped files either.",
             f"Verdict: {'PASS' if summary['passed'] else 'FAIL'}.",
