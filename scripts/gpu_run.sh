@@ -7,6 +7,7 @@
 # STEP is one word plus arguments for that script, quoted together:
 #   "inprocess ARGS"  benchmarks/inprocess.py      "e2e LABEL ARGS"  benchmarks/e2e.py
 #   "hop ARGS"        benchmarks/hop.py            "pytest ARGS"     the baked project's tests
+#   "soak ARGS"       benchmarks/soak.py (memory over a long mixed load)
 # A step may start with a time limit in seconds ("240 pytest tests/test_gpu.py").
 # Everything goes to OUT/results.tgz (one folder per step, written after each step) and OUT/log.txt.
 set -uo pipefail
@@ -31,6 +32,7 @@ for step in "$@"; do
     hop) "${limit[@]}" python benchmarks/hop.py "${words[@]:1}" --out "$work/hop" ;;
     e2e) "${limit[@]}" python benchmarks/e2e.py "${words[@]:2}" --out "$work/e2e-${words[1]}" ;;
     pytest) "${limit[@]}" pytest "${words[@]:1}" -p no:cacheprovider ;;
+    soak) "${limit[@]}" python benchmarks/soak.py "${words[@]:1}" --out "$work/soak" ;;
     *) echo "unknown step ${words[0]}" ;;
   esac
   tar -C "$work" -czf "$out/results.tgz" .

@@ -39,6 +39,7 @@ benchmarks/hop_models/hop_sink_fp32/config.pbtxt
 benchmarks/inprocess.py
 benchmarks/results/.gitignore
 benchmarks/run.py
+benchmarks/soak.py
 docker-compose.cpu.yml
 docker-compose.yml
 deploy/kubernetes/base/admin-key.env
@@ -149,6 +150,9 @@ def test_every_config_is_a_valid_model_config_with_the_answers(baker, answers):
         assert config.name == model and config.max_batch_size == batch
     pixels = model_config(project, "preprocess").output[0]
     assert model_config_pb2.DataType.Name(pixels.data_type) == f"TYPE_{precision.upper()}"
+    queue = {m: model_config(project, m).dynamic_batching.default_queue_policy.max_queue_size for m in models}
+    # 64 clients at once queue at any max batch; preprocess also queues the pipeline's BLS calls.
+    assert queue["pipeline"] == max(64, 4 * batch) and queue["preprocess"] == 2 * queue["pipeline"]
     variant = answers.get("resnet_variant", "resnet50")
     assert model_config(project, "resnet").parameters["variant"].string_value == variant
     # The class count lives in resnet's labels file (Triton's label_filename); every dims value agrees with it.
@@ -219,6 +223,46 @@ def test_hostile_text_bakes_safely(baker):
     assert hostile in (project / "README.md").read_text()
 
 
+def test_soak_verdict_tells_a_plateau_from_growth(default_project, monkeypatch):
+    """benchmarks/soak.py's verdict on synthetic samples: growth that levels off passes, steady growth fails."""
+    monkeypatch.syspath_prepend(str(default_project / "benchmarks"))
+    import soak
+
+    def samples(rss, shm=16.0):
+        return [
+            {
+                "t_s": 5.0 * i,
+                "rss_no_shm_mib": {"resnet": r, "tritonserver": 100.0},
+                "shm_regions_mib": {"resnet": shm, "pipeline": 16.0},
+                "shm_mib": shm + 16.0,
+            }
+            for i, r in enumerate(rss)
+        ]
+
+    def verdicts(rows):
+        return {(r["metric"], r["process"]): r["verdict"] for r in rows}
+
+    levelling = [900 + min(i, 10) * 90 + (i % 3) * 20 for i in range(30)]  # +900 MiB, then noise only
+    levelling[26] += 400  # one large batch late in the run: a spike, not growth
+    assert set(verdicts(soak.judge(samples(levelling), 64, 16)).values()) == {"flat", "reported"}  # reported: no bound
+    leaking = [900 + 10 * i for i in range(30)]  # 10 MiB per sample, to the end
+    rows = verdicts(soak.judge(samples(leaking), 64, 16))
+    assert rows[("RSS - shm", "resnet")].startswith("GROWS") and rows[("RSS - shm", "tritonserver")] == "flat"
+    # a region that steps up once, late, has met a larger burst; one that keeps stepping up is leaking
+    once = [
+        dict(s, shm_regions_mib={"resnet": 16.0 + 16 * (i >= 25), "pipeline": 16.0})
+        for i, s in enumerate(samples(levelling))
+    ]
+    assert verdicts(soak.judge(once, 64, 16))[("/dev/shm", "resnet region")] == "flat"
+    steps = [
+        dict(s, shm_regions_mib={"resnet": 16.0 + 16 * (i // 5), "pipeline": 16.0})
+        for i, s in enumerate(samples(levelling))
+    ]
+    rows = verdicts(soak.judge(steps, 64, 16))
+    assert rows[("/dev/shm", "resnet region")].startswith("GROWS") and rows[("/dev/shm", "pipeline region")] == "flat"
+    assert verdicts(soak.judge(samples([900, 1000, 1100]), 64, 16))[("RSS - shm", "resnet")].startswith("not judged")
+
+
 SUITE_COMBINATIONS = {
     "default": {},
     "resnet18-fp16-batch4-top3-no-ensemble": {
@@ -231,10 +275,8 @@ SUITE_COMBINATIONS = {
 }
 
 
-@pytest.mark.parametrize("answers", SUITE_COMBINATIONS.values(), ids=SUITE_COMBINATIONS.keys())
-def test_baked_project_passes_its_own_test_suite(tmp_path, answers):
-    """The baked project's unit, end-to-end and reliability tests, against a real local tritonserver."""
-    project = bake(tmp_path, **answers)
+def run_baked_tests(project: Path, *pytest_args: str) -> subprocess.CompletedProcess:
+    """The baked project's own tests (all, or those pytest_args select), against a real local tritonserver."""
     # Triton's Python-backend stubs import the package from this interpreter's site-packages (PYTHONPATH does
     # not reach them), so the baked project is installed, as its own Makefile would.
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(project)]
@@ -242,10 +284,40 @@ def test_baked_project_passes_its_own_test_suite(tmp_path, answers):
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"],
-        cwd=project, env=env, capture_output=True, text=True, timeout=1800,
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *pytest_args],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     print(result.stdout[-6000:], result.stderr[-3000:])
-    assert result.returncode == 0
-    summary = result.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "failed" not in summary and "error" not in summary
+    return result
+
+
+def passed(result: subprocess.CompletedProcess) -> bool:
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    return result.returncode == 0 and " passed" in summary and "failed" not in summary and "error" not in summary
+
+
+@pytest.mark.parametrize("answers", SUITE_COMBINATIONS.values(), ids=SUITE_COMBINATIONS.keys())
+def test_baked_project_passes_its_own_test_suite(tmp_path, answers):
+    """The baked project's unit, end-to-end and reliability tests, against a real local tritonserver."""
+    assert passed(run_baked_tests(bake(tmp_path, **answers)))
+
+
+def test_smallest_max_batch_serves_ordinary_concurrency_and_still_rejects_overload(tmp_path):
+    """max_batch_size=1 is where a queue sized by the batch alone would be smallest: 16 clients at once are all
+    served (and the 8-client load test holds), while true overload is still rejected fast. Only these tests:
+    the whole suite already runs for two other combinations."""
+    answers = {"resnet_variant": "resnet18", "precision": "bf16", "max_batch_size": 1, "top_k": 1000}
+    project = bake(tmp_path, **answers, include_ensemble=False)
+    selected = "ordinary_concurrency or load_holds or overload_is_rejected"
+    result = run_baked_tests(project, "-rA", "tests/test_reliability.py", "-k", selected)
+    assert passed(result)
+    ran = re.findall(r"^PASSED tests/test_reliability.py::(test_\w+)", result.stdout, re.MULTILINE)
+    assert set(ran) == {
+        "test_ordinary_concurrency_is_served_not_rejected",
+        "test_load_holds_with_no_errors_and_no_leak",
+        "test_overload_is_rejected_fast_instead_of_queued_forever",
+    }, result.stdout[-3000:]

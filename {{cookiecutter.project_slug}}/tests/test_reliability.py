@@ -92,6 +92,33 @@ def test_bad_request_gets_invalid_argument_and_nothing_else_breaks(server, model
     assert probe(server.grpc_url) is None, "the server still answers real requests"
 
 
+@pytest.mark.parametrize("model", ["pipeline", "ensemble"])
+def test_ordinary_concurrency_is_served_not_rejected(server, model_repository, model):
+    """A busy server is not an overloaded one: 16 clients sending one image each at the same instant are all
+    served, whatever the max batch (the queues hold at least 64 requests; 1 is the hardest case)."""
+    if not (model_repository / model).is_dir():
+        pytest.skip(f"no {model} in this project")
+    clients, rounds = 16, 3
+    image, gate = make_image(9, size=(160, 120)), threading.Barrier(clients)
+
+    def client(_):
+        outcomes = []
+        with grpcclient.InferenceServerClient(server.grpc_url) as c:
+            for _ in range(rounds):
+                gate.wait()  # every round is a burst of 16 requests at once
+                try:
+                    result = c.infer(model, [image_input([image])], client_timeout=120)
+                    outcomes.append(result.as_numpy("CLASS_IDS").shape[0] == 1)
+                except InferenceServerException as exc:
+                    outcomes.append(exc.message())
+        return outcomes
+
+    with ThreadPoolExecutor(clients) as pool:
+        outcomes = [o for client_outcomes in pool.map(client, range(clients)) for o in client_outcomes]
+    failures = [o for o in outcomes if o is not True]
+    assert len(outcomes) == clients * rounds and failures == [], failures
+
+
 @local_server_only
 def test_load_holds_with_no_errors_and_no_leak(server, reference):
     images = [make_image(100 + i, size=(160, 120)) for i in range(4)]
