@@ -338,7 +338,18 @@ def test_pre_commit_runs_ruff(project):
 def test_makefile_has_the_deployment_targets(project, tmp_path):
     path = Path(shutil.copytree(project[0], tmp_path / "project"))
     listed = subprocess.run(["make", "help"], cwd=path, capture_output=True, text=True, check=True).stdout
-    for target in ("up", "down", "logs", "test", "bench", "soak", "compose-test", "compose-e2e", "k8s-apply", "k8s-delete"):
+    for target in (
+        "up",
+        "down",
+        "logs",
+        "test",
+        "bench",
+        "soak",
+        "compose-test",
+        "compose-e2e",
+        "k8s-apply",
+        "k8s-delete",
+    ):
         assert re.search(rf"^\s*(\x1b\[\d+m)?{target}\b", listed, re.MULTILINE), f"make help lists no {target}"
 
     # Under an outer make (`make test`) the inherited MAKEFLAGS/MAKELEVEL would add "Entering directory" lines.

@@ -212,7 +212,7 @@ def test_invalid_answers_fail_with_the_hooks_message(baker, capfd, tmp_path, ans
 
 
 def test_hostile_text_bakes_safely(baker):
-    hostile = "Bob's \"Quoted\" \\ Classifier ünï 😺 $HOME `id`"
+    hostile = 'Bob\'s "Quoted" \\ Classifier ünï 😺 $HOME `id`'
     project = baker(project_name=hostile, description=hostile + " desc", author_name=hostile)
     assert project.name == "bob-s-quoted-classifier-uni-home-id"
     meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
