@@ -39,11 +39,14 @@ benchmarks/hop_models/hop_sink_fp32/config.pbtxt
 benchmarks/inprocess.py
 benchmarks/results/.gitignore
 benchmarks/run.py
+benchmarks/shm.py
 docker-compose.cpu.yml
 docker-compose.yml
 docker/constraints.txt
 docs/deployment.md
 docs/performance.md
+model_repository/classify_pixels/1/.gitkeep
+model_repository/classify_pixels/config.pbtxt
 model_repository/ensemble/1/.gitkeep
 model_repository/ensemble/config.pbtxt
 model_repository/pipeline/1/model.py
@@ -70,6 +73,7 @@ tests/conftest.py
 tests/test_e2e.py
 tests/test_gpu.py
 tests/test_reliability.py
+tests/test_shared_memory.py
 tests/test_stages.py
 """.split()
 )

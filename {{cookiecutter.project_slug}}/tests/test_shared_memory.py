@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from {{ cookiecutter.package_name }}.client import ADMIN_KEY_HEADER, REGION_PREFIX, ImageClassifier, SharedMemoryFull
 from {{ cookiecutter.package_name }}.health import probe
-from {{ cookiecutter.package_name }}.server import MiB, ServerSettings, TritonServer
+from {{ cookiecutter.package_name }}.server import MiB, ServerSettings, TritonServer, dev_shm_bytes
 
 pytestmark = pytest.mark.e2e
 local_server_only = pytest.mark.skipif(bool(EXTERNAL_GRPC_URL), reason="needs a local server it can inspect")
@@ -133,6 +133,7 @@ def test_classify_pixels_answers_as_the_pipeline(server, admin_key, reference, m
 CLIENT = """
 import os, sys, time
 from conftest import make_image
+from {{ cookiecutter.package_name }}.health import probe
 from {{ cookiecutter.package_name }}.client import ImageClassifier
 
 client = ImageClassifier(sys.argv[1], shared_memory="system", admin_key=os.environ["KEY"])
@@ -246,12 +247,60 @@ def test_a_full_dev_shm_fails_the_request_clearly_and_the_server_recovers(small_
         assert "/dev/shm" in error.value.message() and "TRITON_SHM_SIZE" in error.value.message()
         with pytest.raises(InferenceServerException, match="shared memory"):  # any client: a per-request error
             infer(url, [image_input(images)])
-        assert small_shm_server.process.poll() is None
-        assert probe(url) is None, "a request that fits is still served"
+        with grpcclient.InferenceServerClient(url) as client:
+            assert small_shm_server.process.poll() is None and client.is_server_ready(), "the server stays up"
     finally:
         filler.unlink()
     with ImageClassifier(url) as client:
         answer = client.classify(images)
-    assert len(answer) == len(images), "served again once there is room"
+    assert len(answer) == len(images) and probe(url) is None, "served again once there is room"
     sizes = {p.name: p.stat().st_size // 1024 for p in dev_shm.iterdir()}
     print(f"regions after recovery (KiB): {sizes}")
+
+
+@local_server_only
+def test_the_sizing_rule_covers_what_the_stubs_grew_to(server, model_repository):
+    """After the batches above, no Python-backend stub's /dev/shm region is larger than dev_shm_bytes() allows."""
+    need = dev_shm_bytes(model_repository, gpus=len(server.settings.gpus))
+    regions = [p.stat().st_size for p in Path("/dev/shm").glob(server.settings.shm_prefix + "*")]
+    rule = {model: (stubs, per_stub // MiB) for model, (stubs, per_stub) in need.items()}
+    print(f"\nstub regions (MiB): {sorted(r // MiB for r in regions)}; rule (stubs, MiB each): {rule}")
+    assert len(regions) == sum(stubs for stubs, _ in need.values())
+    assert max(regions) <= max(per_stub for _, per_stub in need.values())
+    assert sum(regions) <= sum(stubs * per_stub for stubs, per_stub in need.values())
+
+
+# ---------------------------------------------------------------- CUDA shared memory (GPU machines)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@local_server_only
+def test_cuda_shared_memory_pixels_answer_as_grpc_and_gpu_memory_stays_flat(server, admin_key, reference, max_batch):
+    images = [make_image(600 + i, size=(300 + 20 * i, 260)) for i in range(min(8, max_batch))]
+    pixels = reference.preprocess(images)  # nvJPEG on the GPU, as the server's preprocess does
+    assert pixels.is_cuda
+    with ImageClassifier(server.grpc_url) as plain:
+        expected = plain.classify(images)
+    tol = 1e-3 if pixels.dtype == torch.float32 else 2e-2
+    with ImageClassifier(server.grpc_url, shared_memory="cuda", admin_key=admin_key) as client:
+        answer = client.classify_pixels(pixels)
+        assert [row[0].class_id for row in answer] == [row[0].class_id for row in expected]
+        scores = [[p.score for p in row] for row in answer]
+        np.testing.assert_allclose(scores, [[p.score for p in row] for row in expected], atol=tol, rtol=1e-2)
+        names = set(client.region_names)
+        assert names and names <= registered(server.grpc_url, admin_key)
+
+        def free_mib() -> int:
+            torch.cuda.synchronize()
+            return torch.cuda.mem_get_info(pixels.device)[0] // MiB  # the whole device: server and stubs too
+
+        for i in range(100):  # warm up: allocator caches, cuDNN plans, every batch size
+            client.classify_pixels(pixels[: 1 + i % len(images)])
+        before, started = free_mib(), time.monotonic()
+        for i in range(1000):
+            assert len(client.classify_pixels(pixels[: 1 + i % len(images)])) == 1 + i % len(images)
+        elapsed, after = time.monotonic() - started, free_mib()
+        print(f"\nCUDA shm: 1,000 calls in {elapsed:.1f} s; free GPU memory {before} -> {after} MiB")
+        assert before - after <= 64, "GPU memory stays flat"
+    assert not names & registered(server.grpc_url, admin_key), "close() unregisters the CUDA region"

@@ -315,8 +315,10 @@ class ImageClassifier:
         try:
             return self.client.infer(model, inputs, outputs=outputs, client_timeout=self.timeout_s)
         except InferenceServerException as exc:
-            if SHM_GROWTH_FAILED in (exc.message() or ""):  # a Python-backend stub could not grow
-                raise SharedMemoryFull(f"{DEV_SHM_ADVICE}. Server: {exc.message()}", exc.status()) from exc
+            message = exc.message() or ""
+            if SHM_GROWTH_FAILED in message:  # a Python-backend stub's region could not grow
+                advice = "" if DEV_SHM_ADVICE in message else f"{DEV_SHM_ADVICE}. "  # the pipeline adds it too
+                raise SharedMemoryFull(f"{advice}{message}", exc.status()) from exc
             raise
 
     @contextlib.contextmanager
