@@ -130,6 +130,22 @@ def test_classify_pixels_answers_as_the_pipeline(server, admin_key, reference, m
     np.testing.assert_allclose(scores, [[p.score for p in row] for row in expected], atol=tol)
 
 
+@local_server_only
+def test_cli_classify_over_system_shared_memory(server, admin_key, tmp_path):
+    image = tmp_path / "a.jpg"
+    image.write_bytes(make_image(7))
+    with ImageClassifier(server.grpc_url) as plain:
+        best = plain.classify([image.read_bytes()])[0][0]
+    argv = [sys.executable, "-m", "{{ cookiecutter.package_name }}.cli", "classify", str(image), "--url", server.grpc_url]
+    argv += ["--shared-memory", "system"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_ADMIN_KEY"}
+    refused = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "TRITON_ADMIN_KEY" in refused.stderr
+    done = subprocess.run(argv, env={**env, "TRITON_ADMIN_KEY": admin_key}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"{best.class_id:4d}  {best.label}" in done.stdout
+
+
 CLIENT = """
 import os, sys, time
 from conftest import make_image
@@ -186,6 +202,24 @@ def test_a_client_killed_mid_request_is_cleaned_up_by_the_next_one(server, admin
         assert not names & registered(server.grpc_url, admin_key) and not files(names)
         assert client.classify([make_image(5)])
     assert not {n for n in client_files() if str(process.pid) in n}
+
+
+def test_stopping_the_server_removes_the_files_of_dead_clients_only(tmp_path):
+    """What TritonServer.stop() (and so `serve`) does after the server is gone: also when the dead client's
+    resource tracker died with it and its /dev/shm file stayed."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    dead = Path("/dev/shm") / f"{REGION_PREFIX}{namespace}_{gone.pid}_0badc0de_io"
+    alive = Path("/dev/shm") / f"{REGION_PREFIX}{namespace}_{os.getpid()}_0badc0de_io"
+    for path in (dead, alive):
+        path.write_bytes(b"x")
+    try:
+        TritonServer(ServerSettings(tmp_path)).remove_shm_regions()
+        assert not dead.exists() and alive.exists()
+    finally:
+        dead.unlink(missing_ok=True)
+        alive.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- a full /dev/shm, in a private tmpfs

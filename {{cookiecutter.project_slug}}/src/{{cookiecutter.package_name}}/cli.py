@@ -90,7 +90,12 @@ def classify(args) -> int:
     from .client import ImageClassifier
 
     images = [Path(p).read_bytes() for p in args.images]
-    with ImageClassifier(args.url, args.model, shared_memory=args.shared_memory) as client:
+    try:
+        client = ImageClassifier(args.url, args.model, shared_memory=args.shared_memory)
+    except ValueError as exc:  # no admin key
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with client:
         if args.shared_memory == "cuda":
             results = client.classify_pixels(decode_on_gpu(client, images))
         else:
