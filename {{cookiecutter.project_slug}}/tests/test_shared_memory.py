@@ -294,8 +294,10 @@ def test_a_full_dev_shm_fails_the_request_clearly_and_the_server_recovers(small_
 
 @local_server_only
 def test_the_sizing_rule_covers_what_the_stubs_grew_to(server, model_repository):
-    """After the batches above, no Python-backend stub's /dev/shm region is larger than dev_shm_bytes() allows."""
-    need = dev_shm_bytes(model_repository, gpus=len(server.settings.gpus))
+    """After the batches above, no Python-backend stub's /dev/shm region is larger than dev_shm_bytes() allows
+    for the largest image this module sends."""
+    largest = max(256 * 1024, len(make_image(3, size=(2400, 1800), fmt="PNG")))
+    need = dev_shm_bytes(model_repository, gpus=len(server.settings.gpus), image_bytes=largest)
     regions = [p.stat().st_size for p in Path("/dev/shm").glob(server.settings.shm_prefix + "*")]
     rule = {model: (stubs, per_stub // MiB) for model, (stubs, per_stub) in need.items()}
     print(f"\nstub regions (MiB): {sorted(r // MiB for r in regions)}; rule (stubs, MiB each): {rule}")
