@@ -154,7 +154,7 @@ from {{ cookiecutter.package_name }}.client import ImageClassifier
 
 client = ImageClassifier(sys.argv[1], shared_memory="system", admin_key=os.environ["KEY"])
 images = [make_image(i, size=(640, 480)) for i in range(int(sys.argv[2]))]
-client.classify(images[:1])
+client.classify(images)  # the region has its size for these images now: the loop below reuses it
 print(" ".join(client.region_names), flush=True)
 if sys.argv[3] == "loop":
     while True:
