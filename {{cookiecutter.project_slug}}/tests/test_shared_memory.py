@@ -124,7 +124,7 @@ def test_classify_pixels_answers_as_the_pipeline(server, admin_key, reference, m
         pytest.skip("BF16 pixels need shared memory (numpy has no bfloat16)")
     with ImageClassifier(server.grpc_url, shared_memory=shared_memory, admin_key=admin_key) as client:
         answer = client.classify_pixels(pixels)
-    tol = 1e-4 if pixels.dtype == torch.float32 else 2e-2
+    tol = 2e-2 if pixels.dtype != torch.float32 else 1e-3 if pixels.is_cuda else 1e-4  # cuDNN picks kernels per batch
     assert [row[0].class_id for row in answer] == [row[0].class_id for row in expected]
     scores = [[p.score for p in row] for row in answer]
     np.testing.assert_allclose(scores, [[p.score for p in row] for row in expected], atol=tol)
