@@ -184,6 +184,19 @@ def test_a_client_that_exits_without_close_leaves_nothing(server, admin_key):
 
 
 @local_server_only
+def test_a_client_interrupted_by_ctrl_c_mid_request_leaves_nothing(server, admin_key, max_batch):
+    process = run_client(server, admin_key, min(16, max_batch), "loop")
+    names = set(process.stdout.readline().split())
+    assert names, process.stderr.read()
+    assert process.stdout.readline().strip() == "sending"
+    time.sleep(0.3)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert "KeyboardInterrupt" in err
+    assert not names & registered(server.grpc_url, admin_key) and not files(names)
+
+
+@local_server_only
 def test_a_client_killed_mid_request_is_cleaned_up_by_the_next_one(server, admin_key, max_batch):
     """SIGKILL runs no exit handler: the server keeps the dead client's registration (and, were it not for
     Python's resource tracker, /dev/shm its file) until the next shared-memory client, or `serve` stopping,
