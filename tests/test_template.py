@@ -40,6 +40,7 @@ benchmarks/inprocess.py
 benchmarks/results/.gitignore
 benchmarks/run.py
 benchmarks/soak.py
+benchmarks/shm.py
 docker-compose.cpu.yml
 docker-compose.yml
 deploy/kubernetes/base/admin-key.env
@@ -56,6 +57,8 @@ docs/customizing.md
 docs/deployment.md
 docs/kubernetes.md
 docs/performance.md
+model_repository/classify_pixels/1/.gitkeep
+model_repository/classify_pixels/config.pbtxt
 model_repository/ensemble/1/.gitkeep
 model_repository/ensemble/config.pbtxt
 model_repository/pipeline/1/model.py
@@ -84,6 +87,7 @@ tests/test_customizing.py
 tests/test_e2e.py
 tests/test_gpu.py
 tests/test_reliability.py
+tests/test_shared_memory.py
 tests/test_stages.py
 tests/test_weights.py
 """.split()

@@ -21,6 +21,10 @@ def serve(args) -> int:
     if args.print_flags:
         print("\n".join(server_flags(settings)))
         return 0
+    if args.print_shm:
+        print_shm_need(settings.model_repository)
+        return 0
+    check_dev_shm(settings.model_repository)
     # SIGTERM (docker stop) and SIGHUP (terminal closed) take the Ctrl-C path below. Stopping inside a handler
     # deadlocked: its Popen.wait() cannot reap while the interrupted outer wait() holds Popen's wait lock.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -47,6 +51,32 @@ def serve(args) -> int:
     return returncode or 0
 
 
+def print_shm_need(repository: Path) -> int:
+    """The /dev/shm the Python-backend stubs of `repository` can grow to (server.dev_shm_bytes), per model."""
+    from .server import MiB, dev_shm_bytes
+
+    need = dev_shm_bytes(repository)
+    for model, (stubs, per_stub) in need.items():
+        print(f"{model:12s} {stubs} stub(s) x {per_stub // MiB} MiB")
+    total = sum(stubs * per_stub for stubs, per_stub in need.values())
+    print(f"total        {total // MiB} MiB  (+ the regions of same-host shared-memory clients)")
+    return total
+
+
+def check_dev_shm(repository: Path) -> None:
+    import shutil
+
+    from .server import MiB, dev_shm_bytes
+
+    need = sum(stubs * per_stub for stubs, per_stub in dev_shm_bytes(repository).values())
+    size = shutil.disk_usage("/dev/shm").total if Path("/dev/shm").is_dir() else 0
+    if size < need:
+        print(
+            f"warning: /dev/shm is {size // MiB} MiB; at full batches the Python-backend stubs can use {need // MiB} "
+            "MiB, and a request that does not fit fails (raise shm_size / TRITON_SHM_SIZE; serve --print-shm)"
+        )
+
+
 def health(args) -> int:
     """Exit 0 only if the server is ready and the pipeline answers a real request (a dead stub fails it)."""
     from .health import probe
@@ -59,10 +89,18 @@ def health(args) -> int:
 def classify(args) -> int:
     from .client import ImageClassifier
 
-    client = ImageClassifier(args.url, args.model)
     images = [Path(p).read_bytes() for p in args.images]
-    parameters = dict(args.param)
-    for path, predictions in zip(args.images, client.classify(images, parameters or None)):
+    try:
+        client = ImageClassifier(args.url, args.model, shared_memory=args.shared_memory)
+    except ValueError as exc:  # no admin key
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with client:
+        if args.shared_memory == "cuda":
+            results = client.classify_pixels(decode_on_gpu(client, images))
+        else:
+            results = client.classify(images, dict(args.param) or None)
+    for path, predictions in zip(args.images, results):
         print(path)
         for p in predictions:
             print(f"  {p.score:7.4f}  {p.class_id:4d}  {p.label}")
@@ -74,6 +112,32 @@ def key_value(text: str) -> tuple[str, str]:
     if not key or not sep:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
     return key, value
+
+
+def decode_on_gpu(client, images: list[bytes]):
+    """Pixels on this machine's GPU, preprocessed as the server's `preprocess` model would (its parameters and
+    pixel type): what a client that decodes its own frames hands to `classify_pixels` over CUDA shared memory."""
+    import torch
+
+    from .stages import Preprocess
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--shared-memory cuda needs a CUDA GPU on this machine (the pixels are decoded on it)")
+    params = {k: v.string_value for k, v in client.client.get_model_config("preprocess").config.parameters.items()}
+    dtype = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}[
+        client._input_datatype("classify_pixels", "PIXELS")
+    ]
+    preprocess = Preprocess(
+        torch.device("cuda", 0),
+        dtype,
+        resize=int(params["resize"]),
+        crop=int(params["crop"]),
+        max_pixels=int(params["max_image_pixels"]),
+    )
+    (pixels,) = preprocess.batch([images])
+    if isinstance(pixels, Exception):
+        raise SystemExit(f"cannot decode: {pixels}")
+    return pixels
 
 
 def weights(args) -> int:
@@ -120,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         "--watchdog-interval", type=float, default=10, help="seconds between stub health probes (0: no watchdog)"
     )
     p.add_argument("--print-flags", action="store_true", help="print the tritonserver flags, one per line, and exit")
+    p.add_argument(
+        "--print-shm", action="store_true", help="print how much /dev/shm the Python-backend stubs need, and exit"
+    )
     p.set_defaults(run=serve)
 
     p = commands.add_parser("health", help="one small real inference; exit 0 if it is answered")
@@ -134,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="pipeline", help="pipeline (BLS) or ensemble")
     p.add_argument(
         "--param", type=key_value, action="append", default=[], metavar="KEY=VALUE", help="a request parameter"
+    )
+    p.add_argument(
+        "--shared-memory",
+        choices=["system", "cuda"],
+        help="same host only, needs TRITON_ADMIN_KEY. system: images and results through /dev/shm; "
+        "cuda: decode on this machine's GPU, pixels to classify_pixels through CUDA shared memory",
     )
     p.set_defaults(run=classify)
 

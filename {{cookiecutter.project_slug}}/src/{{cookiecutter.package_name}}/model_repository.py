@@ -89,7 +89,7 @@ def python_models(repository: Path | str) -> list[str]:
 
 
 def _entry_models(repository: Path) -> list[Path]:
-    return [repository / name for name in ("pipeline", "ensemble") if (repository / name).is_dir()]
+    return [repository / name for name in ("pipeline", "ensemble", "classify_pixels") if (repository / name).is_dir()]
 
 
 def set_classes(repository: Path | str, classes: int, variant: str | None = None, k: int | None = None) -> None:

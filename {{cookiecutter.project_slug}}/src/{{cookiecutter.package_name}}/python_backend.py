@@ -17,6 +17,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack
 
+from .server import DEV_SHM_ADVICE, SHM_GROWTH_FAILED
 from .stages import InvalidImage, Postprocess, read_labels
 
 # Triton 2.51 drops the error code of a BLS response (has_error() answers INTERNAL for everything), so an
@@ -111,6 +112,8 @@ class Instance:
         if response.has_error():
             message = response.error().message()
             code = pb_utils.TritonError.INVALID_ARG if INVALID_INPUT in message else response.error().code()
+            if SHM_GROWTH_FAILED in message:  # the called stub's /dev/shm region could not grow
+                message = f"{DEV_SHM_ADVICE}. {message}"
             raise StageError(f"{model_name}: {message}", code)
         return {name: pb_utils.get_output_tensor_by_name(response, name) for name in outputs}
 

@@ -29,6 +29,14 @@ MiB = 1 << 20
 # Admin APIs that need the key; health, metadata and inference stay open. Clients send it as the header
 # `admin-key` over HTTP and `triton-grpc-protocol-admin-key` over gRPC.
 RESTRICTED_APIS = "model-repository,shared-memory,statistics,trace,logging"
+# What a request that did not fit in /dev/shm says, from the Python backend (its own words name only Docker's
+# --shm-size), from the pipeline, and from the client.
+DEV_SHM_ADVICE = (
+    "/dev/shm is too small for this request: give the server more shared memory (`docker run --shm-size`, compose "
+    "`shm_size` / TRITON_SHM_SIZE) or use fewer Python-backend instances or a smaller max batch; sizing rule: "
+    "docs/deployment.md (`{{ cookiecutter.project_slug }} serve --print-shm`)"
+)
+SHM_GROWTH_FAILED = "Failed to increase the shared memory pool size"
 
 
 def visible_gpus() -> list[int]:
@@ -72,11 +80,14 @@ class ServerSettings:
     log_verbose: int = 0
     # The key for the admin APIs: $TRITON_ADMIN_KEY, else a new random one per server.
     admin_key: str = field(default_factory=lambda: os.environ.get("TRITON_ADMIN_KEY") or secrets.token_urlsafe(16))
+    # Each Python-backend stub's /dev/shm region starts at shm_default_bytes and grows by shm_growth_bytes.
+    shm_default_bytes: int = 16 * MiB
+    shm_growth_bytes: int = 16 * MiB
     # Names this server's /dev/shm regions (one per Python-backend stub), so leaks can be traced to it.
     shm_prefix: str = field(default_factory=lambda: f"{{ cookiecutter.package_name }}_{secrets.token_hex(4)}_")
     # The models clients call. Stopping unloads these first, so their in-flight requests (and the BLS calls
     # they still have to make) finish before the server stops taking requests.
-    entry_models: tuple[str, ...] = ("pipeline", "ensemble")
+    entry_models: tuple[str, ...] = ("pipeline", "ensemble", "classify_pixels")
 
     @classmethod
     def on_free_ports(cls, model_repository: Path, **options) -> ServerSettings:
@@ -104,15 +115,72 @@ def server_flags(settings: ServerSettings) -> list[str]:
         "--strict-readiness=true",
         f"--exit-timeout-secs={settings.exit_timeout_s}",
         f"--log-verbose={settings.log_verbose}",
-        # Each Python-backend stub talks to the server through a /dev/shm region that starts at this size.
-        f"--backend-config=python,shm-default-byte-size={16 * MiB}",
-        f"--backend-config=python,shm-growth-byte-size={16 * MiB}",
+        # Each Python-backend stub talks to the server through a /dev/shm region that starts at this size
+        # (dev_shm_bytes() says how far the regions grow).
+        f"--backend-config=python,shm-default-byte-size={settings.shm_default_bytes}",
+        f"--backend-config=python,shm-growth-byte-size={settings.shm_growth_bytes}",
         f"--backend-config=python,shm-region-prefix-name={settings.shm_prefix}",
         f"--grpc-restricted-protocol={RESTRICTED_APIS}:admin-key={settings.admin_key}",
         f"--http-restricted-api={RESTRICTED_APIS}:admin-key={settings.admin_key}",
     ]
     flags += [f"--cuda-memory-pool-byte-size={gpu}:{cuda_pool_bytes()}" for gpu in settings.gpus]
     return flags
+
+
+# Bytes per image a Python-backend stub holds in its /dev/shm region: every tensor it receives or sends that lives
+# in host memory (a GPU tensor crosses through the CUDA memory pool; only its handle is in /dev/shm). A BLS model
+# also holds the inputs and outputs of the models it calls.
+BLS_CALLS = {"pipeline": ("preprocess", "resnet", "postprocess")}
+BYTES_PER_ELEMENT = {"TYPE_FP32": 4, "TYPE_FP16": 2, "TYPE_BF16": 2, "TYPE_INT64": 8}
+
+
+def dev_shm_bytes(
+    repository: Path, gpus: int | None = None, image_bytes: int = 256 * 1024, label_bytes: int = 64, batches: int = 2
+) -> dict[str, tuple[int, int]]:
+    """How much /dev/shm the Python-backend models of a repository need: {model: (stubs, bytes per stub)}.
+
+    Each instance is a stub process with its own region: it starts at 16 MiB (shm-default-byte-size), grows in
+    16 MiB steps to hold what the stub has in flight, and never shrinks. In flight per stub: up to `batches` full
+    batches (max_batch_size images of `image_bytes` encoded bytes each) of the host-memory tensors it receives and
+    sends. Instances: `count` per GPU for KIND_GPU/KIND_AUTO on a GPU host, `count` for KIND_CPU.
+    """
+    from tritonclient.grpc import model_config_pb2
+
+    from .model_repository import load_config
+
+    gpus = len(visible_gpus()) if gpus is None else gpus
+    configs = {p.parent.name: load_config(p.parent) for p in Path(repository).glob("*/config.pbtxt")}
+
+    def per_image(config, on_gpu: bool) -> int:
+        total = 0
+        for tensor in [*config.input, *config.output]:
+            elements = 1
+            for dim in tensor.dims:
+                elements *= dim
+            if tensor.data_type == model_config_pb2.TYPE_STRING:
+                total += image_bytes if tensor.name == "IMAGE" else elements * label_bytes
+            elif not on_gpu:
+                total += elements * BYTES_PER_ELEMENT[model_config_pb2.DataType.Name(tensor.data_type)]
+        return total
+
+    need = {}
+    for name, config in sorted(configs.items()):
+        if config.backend != "python":
+            continue
+        stubs, on_gpu = 0, False
+        for group in config.instance_group or [model_config_pb2.ModelInstanceGroup()]:
+            count = group.count or 1
+            kind = model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind)
+            if kind != "KIND_CPU" and gpus:
+                stubs, on_gpu = stubs + count * (len(group.gpus) or gpus), True
+            else:
+                stubs += count
+        held = per_image(config, on_gpu) + sum(
+            per_image(configs[called], on_gpu) for called in BLS_CALLS.get(name, ()) if called in configs
+        )
+        batch_bytes = batches * max(1, config.max_batch_size) * held
+        need[name] = (stubs, max(16 * MiB, -(-batch_bytes // (16 * MiB)) * 16 * MiB))
+    return need
 
 
 def _cache_dir() -> Path:
@@ -296,9 +364,13 @@ class TritonServer:
 
     def remove_shm_regions(self) -> None:
         """A stub that died (killed, crashed) never unlinks its /dev/shm region, and after such a crash
-        Triton 2.51 waits out its exit timeout instead of cleaning up: this server's prefix finds them."""
+        Triton 2.51 waits out its exit timeout instead of cleaning up: this server's prefix finds them.
+        Shared-memory clients killed outright leave theirs too: those of processes that are gone go as well."""
+        from .client import remove_stale_regions
+
         for region in Path("/dev/shm").glob(self.settings.shm_prefix + "*"):
             region.unlink(missing_ok=True)
+        remove_stale_regions()
 
     def __enter__(self) -> TritonServer:
         return self.start()
