@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,19 @@ def set_precision(repository: Path, precision: str) -> None:
         path = repository / model / "config.pbtxt"
         text = re.sub(r'(name: "PIXELS", data_type: )TYPE_\w+', rf"\1TYPE_{precision.upper()}", path.read_text())
         path.write_text(text)
+
+
+def bench_repository(workdir: Path) -> Path:
+    """A copy of the project's model repository in `workdir`, with deterministic random weights if it has none."""
+    from {{ cookiecutter.package_name }}.model_repository import num_classes, resnet_weights
+    from {{ cookiecutter.package_name }}.weights import write_random
+
+    repo = Path(workdir) / "model_repository"
+    shutil.copytree(PROJECT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
+    variant, weights = resnet_weights(repo)
+    if not weights.is_file():
+        write_random(variant, weights, num_classes=num_classes(repo))
+    return repo
 
 
 def bench_server(repository: Path, log_path: Path, pool_bytes: int | None = None):

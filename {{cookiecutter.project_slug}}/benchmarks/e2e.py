@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import shutil
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 from _common import (
-    PROJECT,
     RESULTS,
     GpuSampler,
+    bench_repository,
     bench_server,
     environment,
     model_statistics,
@@ -146,8 +145,7 @@ def perf_analyzer_point(url, headers, model, image, batch, concurrency, seconds,
 
 
 def main(argv=None) -> dict:
-    from {{ cookiecutter.package_name }}.model_repository import resnet_weights, set_instance_counts
-    from {{ cookiecutter.package_name }}.weights import write_random
+    from {{ cookiecutter.package_name }}.model_repository import set_instance_counts
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--precision", nargs="+", default=[None], help="rewrite PIXELS to this (default: as baked)")
@@ -176,11 +174,7 @@ def main(argv=None) -> dict:
     rows = []
     for precision in args.precision:
         with tempfile.TemporaryDirectory() as tmp:
-            repo = Path(tmp) / "model_repository"
-            shutil.copytree(PROJECT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
-            variant, weights = resnet_weights(repo)
-            if not weights.is_file():
-                write_random(variant, weights)
+            repo = bench_repository(tmp)
             if precision:
                 set_precision(repo, precision)
             instances = {m: int(c) for m, c in (item.split("=") for item in args.instances)}

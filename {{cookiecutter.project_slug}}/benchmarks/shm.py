@@ -15,14 +15,13 @@ Writes shm.json, shm.md and shm.png.
 from __future__ import annotations
 
 import argparse
-import shutil
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
-from _common import PROJECT, RESULTS, bench_server, environment, sample_jpegs, write
+from _common import RESULTS, bench_repository, bench_server, environment, sample_jpegs, write
 
 TRANSPORTS = ["grpc", "system", "grpc-pixels", "system-pixels", "cuda"]
 
@@ -100,8 +99,7 @@ def preprocessed(repository: Path, jpegs: list[bytes], device: str):
 def main(argv=None) -> dict:
     import torch
 
-    from {{ cookiecutter.package_name }}.model_repository import load_config, resnet_weights
-    from {{ cookiecutter.package_name }}.weights import write_random
+    from {{ cookiecutter.package_name }}.model_repository import load_config
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--transports", nargs="+", default=TRANSPORTS, choices=TRANSPORTS)
@@ -114,11 +112,7 @@ def main(argv=None) -> dict:
     transports = [t for t in args.transports if t != "cuda" or torch.cuda.is_available()]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        repo = Path(tmp) / "model_repository"
-        shutil.copytree(PROJECT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
-        variant, weights = resnet_weights(repo)
-        if not weights.is_file():
-            write_random(variant, weights)
+        repo = bench_repository(tmp)
         max_batch = load_config(repo / "classify_pixels").max_batch_size
         sizes = sorted({min(n, max_batch) for n in args.images_per_request})
         jpegs = sample_jpegs(max(sizes))

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import re
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -32,7 +31,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import PROJECT, RESULTS, bench_server, environment, sample_jpegs, write
+from _common import RESULTS, bench_repository, bench_server, environment, sample_jpegs, write
 
 MiB = 1 << 20
 STUB = re.compile(r"/([^/\s]+)/\d+/model\.py")
@@ -286,8 +285,7 @@ def judge(samples: list[dict], max_growth_mib: float, max_shm_growth_mib: float)
 
 
 def main(argv=None) -> int:
-    from {{ cookiecutter.package_name }}.model_repository import load_config, resnet_weights
-    from {{ cookiecutter.package_name }}.weights import write_random
+    from {{ cookiecutter.package_name }}.model_repository import load_config
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=16, help="concurrent closed-loop clients")
@@ -318,11 +316,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
-        repo = Path(tmp) / "model_repository"
-        shutil.copytree(PROJECT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
-        variant, weights = resnet_weights(repo)
-        if not weights.is_file():
-            write_random(variant, weights)
+        repo = bench_repository(tmp)
         models = [m for m in args.models if (repo / m).is_dir()]
         max_batch = load_config(repo / "pipeline").max_batch_size
         sizes = sorted({min(n, max_batch) for n in args.images_per_request})
