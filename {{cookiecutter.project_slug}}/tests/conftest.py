@@ -7,6 +7,7 @@ in-process reference loads the same weights.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
@@ -137,7 +138,15 @@ def server(model_repository, tmp_path_factory):
         yield RunningServer(EXTERNAL_GRPC_URL)
         return
     log_path = tmp_path_factory.mktemp("log") / "tritonserver.log"
-    settings = ServerSettings.on_free_ports(model_repository)
+    with local_server(model_repository, log_path) as triton:
+        yield triton
+    print(f"tritonserver log: {log_path}")
+
+
+@contextlib.contextmanager
+def local_server(repository: Path, log_path: Path):
+    """A ready tritonserver (the local runtime) on free loopback ports; the tail of its log if it fails to start."""
+    settings = ServerSettings.on_free_ports(repository)
     with open(log_path, "w") as log, TritonServer(settings, container=False, log=log) as triton:
         try:
             triton.wait_ready(600)
@@ -145,7 +154,6 @@ def server(model_repository, tmp_path_factory):
             print(log_path.read_text()[-5000:])
             raise
         yield triton
-    print(f"tritonserver log: {log_path}")
 
 
 @pytest.fixture

@@ -25,14 +25,13 @@ import pytest
 import torch
 import torchvision
 import tritonclient.grpc as grpcclient
-from conftest import EXTERNAL_GRPC_URL, PROJECT, TRITON_DTYPES, image_input, infer, make_image
+from conftest import EXTERNAL_GRPC_URL, PROJECT, TRITON_DTYPES, image_input, infer, local_server, make_image
 from PIL import Image
 from test_e2e import tolerance
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
 from {{ cookiecutter.package_name }}.model_repository import load_config, top_k
-from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
 from {{ cookiecutter.package_name }}.stages import Reference
 
 pytestmark = [
@@ -134,14 +133,7 @@ def project(guide, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(project, tmp_path_factory):
     """One server for every recipe, on the customized repository."""
-    log_path = tmp_path_factory.mktemp("log") / "tritonserver.log"
-    settings = ServerSettings.on_free_ports(project / "model_repository")
-    with open(log_path, "w") as log, TritonServer(settings, container=False, log=log) as triton:
-        try:
-            triton.wait_ready(600)
-        except Exception:
-            print(log_path.read_text()[-5000:])
-            raise
+    with local_server(project / "model_repository", tmp_path_factory.mktemp("log") / "tritonserver.log") as triton:
         yield triton
 
 
