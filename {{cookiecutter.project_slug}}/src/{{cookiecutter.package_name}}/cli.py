@@ -31,7 +31,9 @@ def serve(args) -> int:
     signal.signal(signal.SIGHUP, signal.default_int_handler)
     print(f"starting tritonserver on {settings.model_repository} (GPUs: {settings.gpus or 'none, CPU only'})")
     server = TritonServer(settings, container=container).start()
-    watchdog = StubWatchdog(server.grpc_url, settings.admin_headers, interval_s=args.watchdog_interval)
+    watchdog = StubWatchdog(
+        server.grpc_url, settings.admin_headers, interval_s=args.watchdog_interval, server_pid=server.process.pid
+    )
     try:
         server.wait_ready(args.timeout, progress=print_model_states)
         print(
@@ -181,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", help="listen address (default: 127.0.0.1 locally, 0.0.0.0 in the container)")
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait for the models to load")
     p.add_argument(
-        "--watchdog-interval", type=float, default=10, help="seconds between stub health probes (0: no watchdog)"
+        "--watchdog-interval",
+        type=float,
+        default=10,
+        help="seconds between probes of the pipeline; stub processes are watched every second (0: no watchdog)",
     )
     p.add_argument("--print-flags", action="store_true", help="print the tritonserver flags, one per line, and exit")
     p.add_argument(

@@ -328,23 +328,34 @@ class TritonServer:
         """Unload the entry models and wait until their in-flight requests are done.
 
         A SIGTERM alone would fail them: once tritonserver shuts down it refuses every new request, the BLS
-        calls of requests already inside the pipeline included.
+        calls of requests already inside the pipeline included. An entry model is drained when it has unloaded,
+        or as soon as the first of its stubs has exited: Triton tears instances down only after the model's last
+        request is done, and in 2.51 one instance at a time, a second each (8 pipeline instances: 8 s), so the
+        rest of the pipeline's teardown overlaps the other models' after the SIGTERM.
         """
         import tritonclient.grpc as grpcclient
+
+        from .health import stub_processes
+
+        def live_stubs() -> dict[str, int]:
+            models = [m for m in stub_processes(self.process.pid).values() if m is not None]
+            return {name: models.count(name) for name in self.settings.entry_models}
 
         deadline = time.monotonic() + self.settings.exit_timeout_s
         try:
             with grpcclient.InferenceServerClient(self.grpc_url) as client:
                 headers = self.settings.admin_headers
-                for model in self.settings.entry_models:
-                    if client.is_model_ready(model):
-                        client.unload_model(model, headers=headers)
+                loaded = [m for m in self.settings.entry_models if client.is_model_ready(m)]
+                before = live_stubs()
+                for model in loaded:
+                    client.unload_model(model, headers=headers)
                 while time.monotonic() < deadline:
                     index = client.get_model_repository_index(headers=headers, as_json=True).get("models", [])
-                    entries = [m for m in index if m["name"] in self.settings.entry_models]
-                    if not any(m.get("state") == "UNLOADING" for m in entries):
+                    unloading = {m["name"] for m in index if m.get("state") == "UNLOADING"}
+                    now = live_stubs()
+                    if all(m not in unloading or now[m] < before[m] for m in loaded):
                         return
-                    time.sleep(0.2)
+                    time.sleep(0.1)
         except Exception:  # not up, or already going down: nothing left to drain
             return
 
