@@ -1,15 +1,20 @@
-"""CUDA MPS handling (mps.py), without a GPU: the daemon's lifecycle, each reason MPS stays off, and what the
-server is given.
+"""CUDA MPS (mps.py): the daemon's lifecycle, each reason MPS stays off, what the server is given; on a GPU, that
+the stubs really are MPS clients.
 
-`nvidia-cuda-mps-control`, its MPS server and `nvidia-smi` are NVIDIA driver programs; here small shell scripts
-on PATH stand in for them (FAKE_MPS=ok|fail|hang: a daemon that works, fails to start, or ignores `quit` and
-SIGTERM). The server is the real tritonserver. The GPU side (every stub an MPS client, answers under MPS, the
-daemon gone after `serve` stops, `--no-mps`) is in tests/test_gpu.py.
+Without a GPU: `nvidia-cuda-mps-control`, its MPS server and `nvidia-smi` are NVIDIA driver programs, and small
+shell scripts on PATH stand in for them (FAKE_MPS=ok|fail|hang: a daemon that works, fails to start, or ignores
+`quit` and SIGTERM). The server is always the real tritonserver.
+
+On a GPU (marked `gpu`): the session server (the shipped counts, under MPS by default) lists every stub as an MPS
+client in nvidia-smi and answers as the in-process reference does; the real `serve` leaves no MPS process after
+SIGTERM, and `serve --no-mps` serves without one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,14 +22,19 @@ import sys
 import tempfile
 import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
-from conftest import PROJECT
+import torch
+from conftest import EXTERNAL_GRPC_URL, PROJECT, image_input, infer, make_image
 
 from {{ cookiecutter.package_name }} import mps
 from {{ cookiecutter.package_name }}.model_repository import set_instance_counts
 from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer, free_port, server_flags
+
+local_server_only = pytest.mark.skipif(bool(EXTERNAL_GRPC_URL), reason="starts its own local server")
 
 FAKE_CONTROL = r"""#!/bin/sh
 # Stands in for NVIDIA's nvidia-cuda-mps-control. FAKE_MPS: ok (default), fail, hang (ignores quit and SIGTERM).
@@ -291,11 +301,8 @@ def environ(pid: int) -> dict[str, str]:
     return dict(e.decode(errors="replace").split("=", 1) for e in entries if b"=" in e)
 
 
-@pytest.mark.e2e
-def test_serve_runs_tritonserver_and_its_stubs_as_clients_of_its_daemon_and_stops_it(fake_driver, tmp_path):
-    """`serve` on a machine that reports a GPU (the real tritonserver, the models on the CPU): the banner says MPS
-    is on, tritonserver and every stub have the daemon's pipe directory, and after SIGTERM the daemon, its MPS
-    server and its run directory are gone."""
+def one_model_repository(tmp_path: Path) -> Path:
+    """A repository of `postprocess` alone, one instance: the quickest real server with a Python-backend stub."""
     repo = tmp_path / "model_repository"
     repo.mkdir()
     shutil.copytree(PROJECT / "model_repository" / "postprocess", repo / "postprocess")
@@ -303,32 +310,164 @@ def test_serve_runs_tritonserver_and_its_stubs_as_clients_of_its_daemon_and_stop
     config = repo / "postprocess" / "config.pbtxt"  # its labels beside it: this repository has no resnet
     config.write_text(config.read_text().replace("../resnet/labels.txt", "labels.txt"))
     shutil.copy(PROJECT / "model_repository" / "resnet" / "labels.txt", repo / "postprocess" / "labels.txt")
+    return repo
+
+
+def infer_postprocess(grpc_url: str) -> None:
+    """One request: the stub computes (on its GPU where there is one)."""
+    import tritonclient.grpc as grpcclient
+
+    logits = grpcclient.InferInput("LOGITS", [1, 1000], "FP32")
+    logits.set_data_from_numpy(np.random.default_rng(0).standard_normal((1, 1000), dtype=np.float32))
+    with grpcclient.InferenceServerClient(grpc_url) as client:
+        assert client.infer("postprocess", [logits], client_timeout=120).as_numpy("CLASS_IDS").shape[0] == 1
+
+
+@dataclass
+class Serving:
+    process: subprocess.Popen
+    log: Path
+    grpc_url: str
+    banner: str  # serve's "CUDA MPS: ..." line
+    tritonserver: int
+    stubs: list[int]
+
+    @property
+    def daemon_pid(self) -> int | None:
+        return int(self.banner.split("pid ")[1].split(";")[0]) if "a private daemon, pid " in self.banner else None
+
+
+@contextlib.contextmanager
+def serving(repo: Path, workdir: Path, *serve_args: str):
+    """The real `serve` CLI in a subprocess, ready; killed at the end if the test has not stopped it."""
     ports = [str(free_port()) for _ in range(3)]
-    argv = [sys.executable, "-m", "{{ cookiecutter.package_name }}.cli", "serve", "--no-container"]
+    argv = [sys.executable, "-m", "{{ cookiecutter.package_name }}.cli", "serve", "--no-container", *serve_args]
     argv += ["--model-repository", str(repo), "--watchdog-interval", "0", "--timeout", "300"]
     argv += ["--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]]
-    log = tmp_path / "serve.log"
-    serve = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp_path)
+    log = workdir / f"serve-{len(list(workdir.glob('serve-*.log')))}.log"
+    serve = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=workdir)
     try:
         assert wait_until(lambda: "ready." in log.read_text() or serve.poll() is not None, 300), log.read_text()
         output = log.read_text()
         assert serve.poll() is None, output[-3000:]
         (banner,) = [line for line in output.splitlines() if line.startswith("CUDA MPS: ")]
-        assert banner.startswith("CUDA MPS: on (a private daemon, pid "), banner
-        daemon_pid = int(banner.split("pid ")[1].split(";")[0])
-        (tritonserver,) = [p for p in children(serve.pid) if p != daemon_pid]
-        pipe_dir = Path(environ(daemon_pid)[mps.PIPE_ENV])
-        stubs = children(tritonserver)
-        assert stubs, "the postprocess stub"
-        for pid in [tritonserver, *stubs]:
-            assert environ(pid)[mps.PIPE_ENV] == str(pipe_dir)
-            assert environ(pid)[mps.LOG_ENV] == str(pipe_dir.parent / "log")
-        assert mps_pids(pipe_dir) >= {daemon_pid}
-        serve.send_signal(signal.SIGTERM)
-        assert serve.wait(120) == 0, log.read_text()[-3000:]
-        assert mps_pids(pipe_dir) == set() and not mps.alive(daemon_pid)
-        assert not pipe_dir.parent.exists()
+        run = Serving(serve, log, f"localhost:{ports[1]}", banner, 0, [])
+        (run.tritonserver,) = [p for p in children(serve.pid) if p != run.daemon_pid]
+        run.stubs = children(run.tritonserver)
+        assert run.stubs, "the postprocess stub"
+        yield run
     finally:
         if serve.poll() is None:
             serve.kill()
+            serve.wait()
         print(textwrap.indent(log.read_text()[-3000:], "  serve: "))
+
+
+def stop(run: Serving) -> None:
+    """What `docker compose stop` or Ctrl-C does."""
+    run.process.send_signal(signal.SIGTERM)
+    assert run.process.wait(120) == 0, run.log.read_text()[-3000:]
+
+
+@pytest.mark.e2e
+@local_server_only
+def test_serve_runs_tritonserver_and_its_stubs_as_clients_of_its_daemon_and_stops_it(fake_driver, tmp_path):
+    """`serve` on a machine that reports a GPU (the real tritonserver, the models on the CPU): the banner says MPS
+    is on, tritonserver and every stub have the daemon's pipe directory, and after SIGTERM the daemon, its MPS
+    server and its run directory are gone."""
+    with serving(one_model_repository(tmp_path), tmp_path) as run:
+        assert run.banner.startswith("CUDA MPS: on (a private daemon, pid "), run.banner
+        pipe_dir = Path(environ(run.daemon_pid)[mps.PIPE_ENV])
+        for pid in [run.tritonserver, *run.stubs]:
+            assert environ(pid)[mps.PIPE_ENV] == str(pipe_dir)
+            assert environ(pid)[mps.LOG_ENV] == str(pipe_dir.parent / "log")
+        assert len(mps_pids(pipe_dir)) == 2, "the daemon and its MPS server"
+        stop(run)
+        assert mps_pids(pipe_dir) == set() and not mps.alive(run.daemon_pid)
+        assert not pipe_dir.parent.exists()
+
+
+# --- on a GPU ---------------------------------------------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def process_types() -> dict[int, str]:
+    """pid -> its type in nvidia-smi's process table: C (compute), M+C (compute, an MPS client), M (MPS server)."""
+    out = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=60).stdout
+    rows = re.findall(r"^\|\s+\d+\s+\S+\s+\S+\s+(\d+)\s+([CGM+]+)\s", out, re.MULTILINE)
+    return {int(pid): kind for pid, kind in rows}
+
+
+def require_own_daemon(server) -> None:
+    """Skip where MPS is off for one of the documented reasons; fail where the daemon itself failed."""
+    if EXTERNAL_GRPC_URL:
+        pytest.skip("a server started elsewhere (TRITON_GRPC_URL)")
+    if server.mps is None:
+        failed = "did not start" in server.mps_status or "exited with code" in server.mps_status
+        assert not failed and "could not start" not in server.mps_status, server.mps_status
+        pytest.skip(f"MPS is {server.mps_status}")
+
+
+@pytest.mark.e2e
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_mps_every_served_stub_is_an_mps_client(server, client):
+    """The session server (the shipped instance counts) runs under its own MPS daemon by default: nvidia-smi lists
+    every Python-backend stub as an MPS client (M+C)."""
+    require_own_daemon(server)
+    client.classify([make_image(1)])  # every stage has computed
+    stubs = [p.pid for p in mps.processes() if p.ppid == server.process.pid]
+    types = process_types()
+    print(f"\nstubs {stubs}; nvidia-smi types {types}; MPS clients {server.mps.client_pids()}")
+    assert stubs and {pid: types.get(pid) for pid in stubs} == dict.fromkeys(stubs, "M+C")
+
+
+@pytest.mark.e2e
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_mps_answers_match_the_in_process_reference(server, reference):
+    """As test_gpu.py's test_gpu_answers_match_the_in_process_reference, on a server known to run under MPS."""
+    require_own_daemon(server)
+    tol = 1e-3 if reference.preprocess.dtype == torch.float32 else 2e-2
+    batches = [[make_image(100 + i, size=(320 + 16 * i, 240)) for i in range(n)] for n in (1, 3, 8)]
+    for model in [m for m in ("pipeline", "ensemble") if (PROJECT / "model_repository" / m).is_dir()]:
+        for images in batches:
+            result = infer(server.grpc_url, [image_input(images)], model)
+            scores, class_ids = reference(images)
+            np.testing.assert_allclose(result.as_numpy("SCORES"), scores.cpu().numpy(), atol=tol, rtol=1e-2)
+            assert (result.as_numpy("CLASS_IDS")[:, 0] == class_ids[:, 0].cpu().numpy()).all()
+
+
+@pytest.mark.e2e
+@pytest.mark.gpu
+@needs_gpu
+@local_server_only
+def test_gpu_serve_stops_its_mps_daemon_and_no_mps_serves_without_it(tmp_path):
+    """The real `serve` on a one-model repository: its stub is an MPS client, and after SIGTERM no MPS process of
+    the run is left; then `serve --no-mps`: no daemon, its stub a plain CUDA process (C)."""
+    repo = one_model_repository(tmp_path)
+    with serving(repo, tmp_path) as run:
+        if run.daemon_pid is None:
+            assert "did not start" not in run.banner and "exited with code" not in run.banner, run.banner
+            pytest.skip(run.banner)
+        infer_postprocess(run.grpc_url)
+        (stub,) = run.stubs
+        assert process_types().get(stub) == "M+C", process_types()
+        pipe_dir = Path(environ(run.daemon_pid)[mps.PIPE_ENV])
+        daemon = mps.MpsDaemon(pipe_dir.parent, None, shutil.which(mps.CONTROL))  # to ask it, not to stop it
+        servers = daemon.server_pids()
+        ours = {p.pid: p for p in mps.mps_processes(pipe_dir, run.daemon_pid)}
+        ours |= {p.pid: p for p in mps.processes() if p.pid in servers}
+        print(f"\nMPS servers {servers}, clients {daemon.client_pids()}, processes {ours}")
+        assert servers and run.daemon_pid in ours, "the daemon and the MPS server it started"
+        stop(run)
+        assert not [p for p in ours.values() if mps.alive(p.pid, p.start)], "the daemon and its MPS server are gone"
+        assert not pipe_dir.parent.exists()
+    with serving(repo, tmp_path, "--no-mps") as run:
+        assert run.banner == "CUDA MPS: off (--no-mps)"
+        infer_postprocess(run.grpc_url)
+        (stub,) = run.stubs
+        assert mps.PIPE_ENV not in environ(stub)
+        assert process_types().get(stub) == "C", process_types()
+        stop(run)
