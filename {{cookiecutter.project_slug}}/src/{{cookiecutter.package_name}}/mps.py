@@ -35,7 +35,10 @@ PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 # /proc/<pid>/comm holds 15 characters: "nvidia-cuda-mps" for both the control daemon and the MPS server.
 COMM = CONTROL[:15]
 START_TIMEOUT_S = 10.0
-QUIT_TIMEOUT_S = 3.0  # `quit`, then the daemon's exit: at most this long each before it is ended by its PID
+QUIT_TIMEOUT_S = 3.0  # `quit` and the daemon's exit: at most this long before it is ended by its PID
+# The longest MpsDaemon.stop() takes: quit, then SIGTERM (1 s) and SIGKILL, then the same for a leftover MPS
+# server. The shutdown budgets (compose stop_grace_period, the pod's terminationGracePeriodSeconds) include it.
+STOP_LIMIT_S = QUIT_TIMEOUT_S + 3
 SOCKET_PATH_MAX = 100  # a Unix socket path holds at most 107 bytes; the daemon's sockets live in the pipe dir
 
 
@@ -284,9 +287,10 @@ class MpsDaemon:
         """`quit` within timeout_s, else SIGTERM, then SIGKILL; the same for an MPS server left behind. Idempotent."""
         leftovers = mps_processes(self.pipe_dir, self.pid)  # before the daemon goes: its children are its servers
         if self.process.poll() is None:
+            deadline = time.monotonic() + timeout_s
             try:
                 self.control("quit", timeout_s)
-                self.process.wait(timeout_s)
+                self.process.wait(max(0.0, deadline - time.monotonic()))
             except (OSError, subprocess.TimeoutExpired):
                 self.process.terminate()
                 try:
