@@ -233,7 +233,9 @@ def mps_stop_limit_s(project: Path) -> float:
     package = json.loads((project / ".cookiecutter.json").read_text())["cookiecutter"]["package_name"]
     code = f"from {package} import mps; print(mps.STOP_LIMIT_S)"
     env = dict(os.environ, PYTHONPATH=str(project / "src"))
-    result = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     return float(result.stdout)
 
