@@ -214,6 +214,7 @@ def main(argv=None) -> dict:
                             row = {
                                 "precision": label,
                                 "mps": mps_on,
+                                "mps_status": server.mps_status,
                                 "model": model,
                                 "images_per_request": n,
                                 "concurrency": c,

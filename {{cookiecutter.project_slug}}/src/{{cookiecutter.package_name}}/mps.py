@@ -180,8 +180,11 @@ def remove_stale(root: Path) -> list[Path]:
             owner = {}
         if owner and alive(owner["pid"], owner.get("start")):
             continue
-        if not owner and time.time() - run.stat().st_mtime < 60:
-            continue  # being set up right now
+        try:
+            if not owner and time.time() - run.stat().st_mtime < 60:
+                continue  # being set up right now
+        except OSError:  # removed meanwhile
+            continue
         kill(mps_processes(run / "pipe", owner.get("daemon_pid")))
         shutil.rmtree(run, ignore_errors=True)
         removed.append(run)
