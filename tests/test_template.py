@@ -78,6 +78,7 @@ src/image_classifier/cli.py
 src/image_classifier/client.py
 src/image_classifier/health.py
 src/image_classifier/model_repository.py
+src/image_classifier/mps.py
 src/image_classifier/python_backend.py
 src/image_classifier/server.py
 src/image_classifier/stages.py
@@ -86,6 +87,7 @@ tests/conftest.py
 tests/test_customizing.py
 tests/test_e2e.py
 tests/test_gpu.py
+tests/test_mps.py
 tests/test_reliability.py
 tests/test_shared_memory.py
 tests/test_stages.py

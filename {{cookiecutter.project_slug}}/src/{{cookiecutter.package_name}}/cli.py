@@ -17,7 +17,9 @@ def serve(args) -> int:
 
     container = CONTAINER_TRITONSERVER.is_dir() if args.container is None else args.container
     address = args.address or ("0.0.0.0" if container else "127.0.0.1")
-    settings = ServerSettings(args.model_repository, args.http_port, args.grpc_port, args.metrics_port, address=address)
+    settings = ServerSettings(
+        args.model_repository, args.http_port, args.grpc_port, args.metrics_port, address=address, mps=args.mps
+    )
     if args.print_flags:
         print("\n".join(server_flags(settings)))
         return 0
@@ -31,6 +33,7 @@ def serve(args) -> int:
     signal.signal(signal.SIGHUP, signal.default_int_handler)
     print(f"starting tritonserver on {settings.model_repository} (GPUs: {settings.gpus or 'none, CPU only'})")
     server = TritonServer(settings, container=container).start()
+    print(f"CUDA MPS: {server.mps_status}")
     watchdog = StubWatchdog(
         server.grpc_url, settings.admin_headers, interval_s=args.watchdog_interval, server_pid=server.process.pid
     )
@@ -187,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=10,
         help="seconds between probes of the pipeline; stub processes are watched every second (0: no watchdog)",
+    )
+    p.add_argument(
+        "--mps",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CUDA MPS on the GPUs: a private daemon for this run, so that the stubs' kernels run concurrently "
+        "(default: on wherever there is a GPU; --no-mps: off)",
     )
     p.add_argument("--print-flags", action="store_true", help="print the tritonserver flags, one per line, and exit")
     p.add_argument(
