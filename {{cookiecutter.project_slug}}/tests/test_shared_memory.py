@@ -163,7 +163,9 @@ if sys.argv[3] == "loop":
 """
 
 
-def run_client(server, admin_key, n, mode) -> subprocess.Popen:
+def run_client(server, admin_key, n, mode, new_session=False) -> subprocess.Popen:
+    """The client above in a child process; `new_session`: in a process group of its own, with its resource tracker
+    (the process that would unlink its /dev/shm file once it dies)."""
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(CLIENT), server.grpc_url, str(n), mode],
         cwd=Path(__file__).parent,
@@ -171,6 +173,7 @@ def run_client(server, admin_key, n, mode) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=new_session,
     )
 
 
@@ -215,6 +218,39 @@ def test_a_client_killed_mid_request_is_cleaned_up_by_the_next_one(server, admin
         assert not names & registered(server.grpc_url, admin_key) and not files(names)
         assert client.classify([make_image(5)])
     assert not {n for n in client_files() if str(process.pid) in n}
+
+
+@local_server_only
+def test_a_killed_client_is_cleaned_up_by_the_watchdog_with_nobody_else_calling(server, admin_key, max_batch):
+    """The client and its resource tracker are SIGKILLed mid-request (its process group): its registration and its
+    /dev/shm file stay, and no other client comes. `serve`'s watchdog (StubWatchdog with the server's pid, as
+    `serve` runs it; only its own loop here) unregisters the region and unlinks the file within 30 s."""
+    from {{ cookiecutter.package_name }}.health import StubWatchdog
+
+    process = run_client(server, admin_key, min(16, max_batch), "loop", new_session=True)
+    names = set(process.stdout.readline().split())
+    assert names, process.stderr.read()
+    assert process.stdout.readline().strip() == "sending"
+    time.sleep(0.3)  # the batch is being sent, or in the server
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(30)
+    assert names <= registered(server.grpc_url, admin_key) and files(names) == names, "nothing else removed them"
+    logs = []
+    watchdog = StubWatchdog(
+        server.grpc_url, server.settings.admin_headers, interval_s=3600, server_pid=server.process.pid, log=logs.append
+    )
+    started = time.monotonic()
+    watchdog.start()
+    try:
+        while names & registered(server.grpc_url, admin_key) or files(names):
+            assert time.monotonic() - started < 30, f"still there after 30 s; watchdog: {logs}"
+            time.sleep(0.2)
+    finally:
+        watchdog.stop()
+        watchdog.join(30)
+    print(f"\nthe watchdog removed {sorted(names)} in {time.monotonic() - started:.1f} s: {logs}")
+    assert any(name in line for line in logs for name in names), logs
+    assert probe(server.grpc_url) is None, "the server serves as before"
 
 
 def test_stopping_the_server_removes_the_files_of_dead_clients_only(tmp_path):
