@@ -88,7 +88,8 @@ def remove_stale_regions(
     client: grpcclient.InferenceServerClient | None = None, headers: dict | None = None, in_use_wait_s: float = 30
 ):
     """Unregister from the server (given a client and the admin headers) and unlink from /dev/shm the regions of
-    this host's clients that died without closing them (SIGKILL, a crash). Returns the names removed.
+    this host's clients that died without closing them (SIGKILL, a crash). Returns the names removed (unregistered,
+    unlinked, or both).
 
     A dead client's request can still be in the server, which refuses to unregister a region in use: such a region
     is waited for up to `in_use_wait_s`, then left registered for the next call (its file still goes)."""
