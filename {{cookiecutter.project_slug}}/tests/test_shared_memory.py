@@ -163,7 +163,9 @@ if sys.argv[3] == "loop":
 """
 
 
-def run_client(server, admin_key, n, mode) -> subprocess.Popen:
+def run_client(server, admin_key, n, mode, new_session=False) -> subprocess.Popen:
+    """The client above in a child process; `new_session`: in a process group of its own, with its resource tracker
+    (the process that would unlink its /dev/shm file once it dies)."""
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(CLIENT), server.grpc_url, str(n), mode],
         cwd=Path(__file__).parent,
@@ -171,6 +173,7 @@ def run_client(server, admin_key, n, mode) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=new_session,
     )
 
 
@@ -215,6 +218,39 @@ def test_a_client_killed_mid_request_is_cleaned_up_by_the_next_one(server, admin
         assert not names & registered(server.grpc_url, admin_key) and not files(names)
         assert client.classify([make_image(5)])
     assert not {n for n in client_files() if str(process.pid) in n}
+
+
+@local_server_only
+def test_a_killed_client_is_cleaned_up_by_the_watchdog_with_nobody_else_calling(server, admin_key, max_batch):
+    """The client and its resource tracker are SIGKILLed mid-request (its process group): its registration and its
+    /dev/shm file stay, and no other client comes. `serve`'s watchdog (StubWatchdog with the server's pid, as
+    `serve` runs it; only its own loop here) unregisters the region and unlinks the file within 30 s."""
+    from {{ cookiecutter.package_name }}.health import StubWatchdog
+
+    process = run_client(server, admin_key, min(16, max_batch), "loop", new_session=True)
+    names = set(process.stdout.readline().split())
+    assert names, process.stderr.read()
+    assert process.stdout.readline().strip() == "sending"
+    time.sleep(0.3)  # the batch is being sent, or in the server
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(30)
+    assert names <= registered(server.grpc_url, admin_key) and files(names) == names, "nothing else removed them"
+    logs = []
+    watchdog = StubWatchdog(
+        server.grpc_url, server.settings.admin_headers, interval_s=3600, server_pid=server.process.pid, log=logs.append
+    )
+    started = time.monotonic()
+    watchdog.start()
+    try:
+        while names & registered(server.grpc_url, admin_key) or files(names):
+            assert time.monotonic() - started < 30, f"still there after 30 s; watchdog: {logs}"
+            time.sleep(0.2)
+    finally:
+        watchdog.stop()
+        watchdog.join(30)
+    print(f"\nthe watchdog removed {sorted(names)} in {time.monotonic() - started:.1f} s: {logs}")
+    assert any(name in line for line in logs for name in names), logs
+    assert probe(server.grpc_url) is None, "the server serves as before"
 
 
 def test_stopping_the_server_removes_the_files_of_dead_clients_only(tmp_path):
@@ -357,3 +393,99 @@ def test_cuda_shared_memory_pixels_answer_as_grpc_and_gpu_memory_stays_flat(serv
         print(f"\nCUDA shm: 1,000 calls in {elapsed:.1f} s; free GPU memory {before} -> {after} MiB")
         assert before - after <= 64, "GPU memory stays flat"
     assert not names & registered(server.grpc_url, admin_key), "close() unregisters the CUDA region"
+
+
+# ---------------------------------------------------------------- the CUDA memory pool, sized from the configs (CPU)
+
+SHIPPED = Path(__file__).resolve().parents[1] / "model_repository"  # the project's, with its instance counts
+
+
+def pool_flags(repository: Path, gpus: list[int]) -> dict[int, int]:
+    """{gpu: bytes} of the `--cuda-memory-pool-byte-size` flags server_flags() gives a server on `gpus`."""
+    from {{ cookiecutter.package_name }}.server import server_flags
+
+    flags = server_flags(ServerSettings(repository, gpus=gpus))
+    pools = [f.split("=", 1)[1].split(":") for f in flags if f.startswith("--cuda-memory-pool-byte-size=")]
+    return {int(gpu): int(size) for gpu, size in pools}
+
+
+def pool_worst_case(repository: Path) -> dict[str, int]:
+    """What the CUDA memory pool of one GPU holds at once, hop by hop, when every instance executes a full batch:
+    {who: bytes}. The Python backend (2.51) puts in the pool each GPU output a stub returns (into the requester's
+    buffer: a BLS caller's response, an ensemble's step output), a copy of each GPU input of a BLS call, and a copy
+    of a GPU input from outside the pool (a CUDA shared-memory client's pixels)."""
+    import math
+
+    from tritonclient.grpc import model_config_pb2
+
+    from {{ cookiecutter.package_name }}.model_repository import load_config
+    from {{ cookiecutter.package_name }}.server import BYTES_PER_ELEMENT
+
+    configs = {m: load_config(repository / m) for m in ("pipeline", "preprocess", "resnet", "postprocess")}
+
+    def nbytes(model: str, *names: str, batch_of: str | None = None) -> int:
+        tensors = {t.name: t for t in [*configs[model].input, *configs[model].output]}
+        element = sum(
+            math.prod(tensors[n].dims) * BYTES_PER_ELEMENT[model_config_pb2.DataType.Name(tensors[n].data_type)]
+            for n in names
+        )
+        return configs[batch_of or model].max_batch_size * element
+
+    def instances(model: str) -> int:
+        return sum(group.count for group in configs[model].instance_group)
+
+    bls_postprocess = configs["pipeline"].parameters["postprocess"].string_value == "bls"
+    pipeline = (
+        2 * nbytes("preprocess", "PIXELS", batch_of="pipeline")  # preprocess's response, and its copy for resnet
+        + nbytes("resnet", "LOGITS", batch_of="pipeline")  # resnet's response
+        + (nbytes("postprocess", "LOGITS", "SCORES", "CLASS_IDS", batch_of="pipeline") if bls_postprocess else 0)
+    )
+    pixels = nbytes("preprocess", "PIXELS")
+    return {
+        "pipeline instances, each waiting with its pixels": instances("pipeline") * pipeline,
+        "preprocess instances, each writing pixels for an ensemble": instances("preprocess") * pixels,
+        "resnet instances: pixels copied in, logits out": instances("resnet") * nbytes("resnet", "PIXELS", "LOGITS"),
+        "postprocess instances: an ensemble's logits": instances("postprocess") * nbytes("postprocess", "LOGITS"),
+    }
+
+
+def test_the_cuda_memory_pool_holds_every_batch_in_flight_at_the_shipped_counts():
+    """The shipped repository (its instance counts, not the CPU tests' single instances): on every GPU the pool
+    holds what every instance can have in flight at once, so that no GPU tensor falls back to host copies."""
+    worst = pool_worst_case(SHIPPED)
+    pools = pool_flags(SHIPPED, gpus=[0, 1])
+    print(f"\nCUDA pool {pools[0] // MiB} MiB per GPU; worst case in flight {sum(worst.values()) / MiB:.0f} MiB:")
+    print("\n".join(f"  {who}: {size / MiB:.0f} MiB" for who, size in worst.items()))
+    assert set(pools) == {0, 1} and pools[0] == pools[1], "instances on every GPU: the same pool on each"
+    assert pools[0] >= sum(worst.values()) * 5 // 4, "the pool holds the worst case, with room for fragmentation"
+
+
+def test_the_cuda_memory_pool_follows_max_batch_size_and_instance_counts(tmp_path):
+    """Edits after baking: a larger max_batch_size, more instances, or instances on one GPU only resize the pool
+    at the next start; the pool still holds the new worst case."""
+    from {{ cookiecutter.package_name }}.model_repository import load_config, save_config, set_instance_counts
+
+    repository = tmp_path / "model_repository"
+    shutil.copytree(SHIPPED, repository, ignore=shutil.ignore_patterns("weights.pt", "__pycache__"))
+    (before,) = pool_flags(repository, gpus=[0]).values()
+
+    batch = load_config(repository / "pipeline").max_batch_size
+    for config_path in repository.glob("*/config.pbtxt"):  # twice the batch, and enough to pass the 512 MiB floor
+        config = load_config(config_path.parent)
+        config.max_batch_size = max(2 * batch, 256)
+        save_config(config_path.parent, config)
+    (doubled,) = pool_flags(repository, gpus=[0]).values()
+    assert doubled > before and doubled >= sum(pool_worst_case(repository).values()) * 5 // 4
+    if before > 512 * MiB:  # above the floor the pool grows in proportion to the batch
+        assert abs(doubled - 2 * before) <= 128 * MiB, (before, doubled)
+
+    pipelines = sum(group.count for group in load_config(repository / "pipeline").instance_group)
+    set_instance_counts(repository, {"pipeline": 2 * pipelines})
+    (more,) = pool_flags(repository, gpus=[0]).values()
+    assert more > doubled and more >= sum(pool_worst_case(repository).values()) * 5 // 4
+
+    config = load_config(repository / "pipeline")  # the pipeline's instances on GPU 1 only
+    config.instance_group[0].gpus[:] = [1]
+    save_config(repository / "pipeline", config)
+    pools = pool_flags(repository, gpus=[0, 1])
+    assert pools[1] == more and pools[0] < more, pools

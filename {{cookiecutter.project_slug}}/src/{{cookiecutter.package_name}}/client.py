@@ -11,7 +11,7 @@ Registering a region makes the server map memory it is told to by name, so the s
 admin key: these modes need the server's key (TRITON_ADMIN_KEY, or `admin_key=`). The client unregisters and
 frees every region it made on close(), on any error, on Ctrl-C and at interpreter exit. A client killed outright
 (SIGKILL) cannot; the next shared-memory client on the host, and `serve` when it stops, remove what it left
-(`remove_stale_regions`).
+(`remove_stale_regions`), and so does `serve`'s watchdog within seconds with nobody else calling.
 """
 
 from __future__ import annotations
@@ -84,17 +84,29 @@ def _stale(name: str) -> bool:
     return namespace == _pid_namespace() and not _alive(pid)
 
 
-def remove_stale_regions(client: grpcclient.InferenceServerClient | None = None, headers: dict | None = None):
+def remove_stale_regions(
+    client: grpcclient.InferenceServerClient | None = None, headers: dict | None = None, in_use_wait_s: float = 30
+):
     """Unregister from the server (given a client and the admin headers) and unlink from /dev/shm the regions of
-    this host's clients that died without closing them (SIGKILL, a crash). Returns the names removed."""
+    this host's clients that died without closing them (SIGKILL, a crash). Returns the names removed (unregistered,
+    unlinked, or both).
+
+    A dead client's request can still be in the server, which refuses to unregister a region in use: such a region
+    is waited for up to `in_use_wait_s`, then left registered for the next call (its file still goes)."""
     removed = set()
     if client is not None:
         for kind in ("system", "cuda"):
             status = getattr(client, f"get_{kind}_shared_memory_status")(headers=headers, as_json=True)
             for name in status.get("regions", {}):  # {name: status}
-                if _stale(name):
-                    _unregister(client, kind, name, headers)
-                    removed.add(name)
+                if not _stale(name):
+                    continue
+                try:
+                    _unregister(client, kind, name, headers, in_use_wait_s)
+                except InferenceServerException as exc:
+                    if "in use" not in (exc.message() or ""):
+                        raise
+                    continue
+                removed.add(name)
     for path in DEV_SHM.glob(REGION_PREFIX + "*"):
         if _stale(path.name):
             path.unlink(missing_ok=True)

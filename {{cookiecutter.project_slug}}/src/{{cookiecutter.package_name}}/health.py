@@ -5,6 +5,9 @@ request to that model fails with "Stub process '<model>_0_0' is not healthy" unt
 GPU such a request can hang instead). So health here means an answer to a real request, and recovery means
 reloading the model that lost its stub: the watchdog sees the dead stub itself, as a child process of the server
 that has exited and that the server has not reaped, and also reads the model's name from a failed probe.
+
+The same watchdog unregisters the shared-memory regions of same-host clients that were killed without closing them:
+the server would otherwise keep them (and their /dev/shm pages) mapped until another shared-memory client came.
 """
 
 from __future__ import annotations
@@ -77,7 +80,11 @@ def restart(client: grpcclient.InferenceServerClient, model: str, admin_headers:
 class StubWatchdog(threading.Thread):
     """Reload each model whose stub died. With `server_pid` (a server on this host, as `serve` runs it) the
     stub processes are looked at every `scan_s`: a death is seen within that time, whatever requests do. Every
-    `interval_s` the pipeline is probed too, and a model named dead in the answer is reloaded."""
+    `interval_s` the pipeline is probed too, and a model named dead in the answer is reloaded.
+
+    With `server_pid`, every `clients_s` the server's system and CUDA shared-memory regions of dead clients are
+    unregistered and their /dev/shm files unlinked (client.remove_stale_regions: regions named by clients of this
+    PID namespace whose process is gone). A region a dead client's request still uses is left for the next round."""
 
     def __init__(
         self,
@@ -87,10 +94,11 @@ class StubWatchdog(threading.Thread):
         log=print,
         server_pid: int | None = None,
         scan_s: float = 1,
+        clients_s: float = 5,
     ):
         super().__init__(name="stub-watchdog", daemon=True)
         self.url, self.admin_headers, self.interval_s, self.log = url, admin_headers, interval_s, log
-        self.server_pid, self.scan_s = server_pid, scan_s
+        self.server_pid, self.scan_s, self.clients_s = server_pid, scan_s, clients_s
         self.stopped = threading.Event()
         self.models: dict[int, str] = {}  # every stub seen alive: pid -> model
         self.reaped: set[int] = set()  # dead stubs already reloaded for
@@ -134,14 +142,33 @@ class StubWatchdog(threading.Thread):
             reloaded += self.reload(dead, "is not healthy")
         return reloaded
 
+    def remove_dead_clients_regions(self) -> list[str]:
+        """Unregister (and unlink) the shared-memory regions of this host's clients that died without closing them.
+        Only with `server_pid`: a client's process is looked up on this host, so the server must be on it too."""
+        from .client import remove_stale_regions
+
+        if self.server_pid is None:
+            return []
+        with grpcclient.InferenceServerClient(self.url) as client:
+            removed = remove_stale_regions(client, self.admin_headers, in_use_wait_s=0)
+        if removed:
+            self.log(f"watchdog: removed the shared-memory regions of dead clients: {', '.join(removed)}")
+        return removed
+
     def run(self) -> None:
         ticks, every = 0, max(1, round(self.interval_s / self.scan_s)) if self.server_pid else 1
+        clients_every = max(1, round(self.clients_s / self.scan_s))
         while not self.stopped.wait(self.scan_s if self.server_pid else self.interval_s):
             ticks += 1
             try:
                 self.check(probe_too=ticks % every == 0)
             except Exception as exc:  # the server may be stopping; try again next round
                 self.log(f"watchdog: {exc}")
+            if self.server_pid and ticks % clients_every == 0:
+                try:
+                    self.remove_dead_clients_regions()
+                except Exception as exc:
+                    self.log(f"watchdog: shared-memory regions of dead clients: {exc}")
 
     def stop(self) -> None:
         self.stopped.set()

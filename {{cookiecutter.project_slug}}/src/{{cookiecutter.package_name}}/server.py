@@ -58,13 +58,64 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cuda_pool_bytes(max_batch_size: int = MAX_BATCH_SIZE) -> int:
-    """The CUDA memory pool per GPU. Every GPU tensor crossing a stub/server boundary goes through it, and a full
-    pool silently falls back to host memory (two copies through the CPU per hop): it must hold every batch in
-    flight at once. With several pipeline and preprocess instances that is a dozen of the largest tensors
-    ([max_batch, 3, 224, 224] FP32 pixels, each in up to two places per hop); 16 leave headroom."""
-    largest = max_batch_size * 3 * 224 * 224 * 4
-    return max(512 * MiB, -(-16 * largest // (64 * MiB)) * 64 * MiB)
+def cuda_pool_bytes(repository: Path | str, gpu: int = 0) -> int:
+    """The CUDA memory pool of GPU `gpu` (`--cuda-memory-pool-byte-size`), sized from the repository's configs, so
+    that an edit of max_batch_size, of a tensor or of an instance count after baking resizes it at the next start.
+
+    Every GPU tensor that crosses between a Python-backend stub and the server lives in this pool: the buffers a
+    stub's GPU outputs are written to (the requester's: a BLS caller's response, an ensemble's step output), the
+    copy the Python backend makes of each GPU input of a BLS call, and the copy of a GPU input that arrives from
+    outside the pool (a CUDA shared-memory client's). When the pool is full, Triton 2.51 falls back to CUDA IPC or
+    host memory without failing the request: slower, a hop through the CPU. So the pool holds every batch in flight:
+
+        pool(gpu) = 5/4 x sum over the models (ensembles aside) with instances on `gpu` of
+                    instances on gpu x max_batch_size x GPU bytes per batch element its instance holds
+
+    An instance executes one batch at a time, and holds the GPU tensors of that batch: its model's own inputs and
+    outputs and, for a BLS model (BLS_CALLS), the inputs and outputs of every model it calls (the pipeline holds
+    preprocess's PIXELS response and the copy it sends resnet, then resnet's LOGITS). GPU tensors are the
+    non-string ones (strings always travel through /dev/shm), at their config dims and dtype. Instances on `gpu`:
+    the `count` of every instance_group that is not KIND_CPU and lists no `gpus`, or lists this one. The sum is the
+    worst case of every instance executing a full batch at once (the stages' instances serving ensembles, whose
+    step outputs the server holds, while every pipeline instance waits with its pixels); the quarter on top is for
+    the pool's fragmentation under varied batch sizes. Rounded up to 64 MiB, at least 512 MiB. Not bounded by any
+    instance count: an ensemble's step outputs still waiting in the next step's queue; a sustained ensemble load
+    that outpaces its next step can still fill the pool (requests then slow down; they do not fail).
+    """
+    import math
+
+    from tritonclient.grpc import model_config_pb2
+
+    from .model_repository import load_config
+
+    configs = {p.parent.name: load_config(p.parent) for p in Path(repository).glob("*/config.pbtxt")}
+
+    def gpu_bytes(config) -> int:  # one batch element's GPU tensors: every non-string input and output
+        total = 0
+        for tensor in [*config.input, *config.output]:
+            if tensor.data_type == model_config_pb2.TYPE_STRING:
+                continue
+            if any(dim < 0 for dim in tensor.dims):
+                raise ValueError(
+                    f"{config.name}: {tensor.name} has a variable dim; the CUDA memory pool is sized from fixed dims "
+                    "(server.cuda_pool_bytes)"
+                )
+            total += math.prod(tensor.dims) * BYTES_PER_ELEMENT[model_config_pb2.DataType.Name(tensor.data_type)]
+        return total
+
+    need = 0
+    for name, config in configs.items():
+        if config.platform == "ensemble":
+            continue
+        groups = config.instance_group or [model_config_pb2.ModelInstanceGroup()]
+        instances = sum(
+            group.count or 1
+            for group in groups
+            if group.kind != model_config_pb2.ModelInstanceGroup.KIND_CPU and (not group.gpus or gpu in group.gpus)
+        )
+        held = gpu_bytes(config) + sum(gpu_bytes(configs[c]) for c in BLS_CALLS.get(name, ()) if c in configs)
+        need += instances * max(1, config.max_batch_size) * held
+    return max(512 * MiB, -(-(need * 5 // 4) // (64 * MiB)) * 64 * MiB)
 
 
 @dataclass
@@ -125,15 +176,22 @@ def server_flags(settings: ServerSettings) -> list[str]:
         f"--grpc-restricted-protocol={RESTRICTED_APIS}:admin-key={settings.admin_key}",
         f"--http-restricted-api={RESTRICTED_APIS}:admin-key={settings.admin_key}",
     ]
-    flags += [f"--cuda-memory-pool-byte-size={gpu}:{cuda_pool_bytes()}" for gpu in settings.gpus]
+    # Sized from the repository's configs (cuda_pool_bytes): every GPU tensor in flight between processes.
+    pools = {gpu: cuda_pool_bytes(settings.model_repository, gpu) for gpu in settings.gpus}
+    flags += [f"--cuda-memory-pool-byte-size={gpu}:{size}" for gpu, size in pools.items()]
     return flags
 
 
 # Bytes per image a Python-backend stub holds in its /dev/shm region: every tensor it receives or sends that lives
 # in host memory (a GPU tensor crosses through the CUDA memory pool; only its handle is in /dev/shm). A BLS model
-# also holds the inputs and outputs of the models it calls.
+# also holds the inputs and outputs of the models it calls (BLS_CALLS: in /dev/shm, and in the CUDA memory pool).
 BLS_CALLS = {"pipeline": ("preprocess", "resnet", "postprocess")}
-BYTES_PER_ELEMENT = {"TYPE_FP32": 4, "TYPE_FP16": 2, "TYPE_BF16": 2, "TYPE_INT64": 8}
+BYTES_PER_ELEMENT = {
+    **{f"TYPE_{kind}": 1 for kind in ("BOOL", "UINT8", "INT8")},
+    **{f"TYPE_{kind}": 2 for kind in ("UINT16", "INT16", "FP16", "BF16")},
+    **{f"TYPE_{kind}": 4 for kind in ("UINT32", "INT32", "FP32")},
+    **{f"TYPE_{kind}": 8 for kind in ("UINT64", "INT64", "FP64")},
+}
 
 
 def dev_shm_bytes(
