@@ -53,11 +53,12 @@ def main(argv=None) -> dict:
     from _common import PROJECT
 
     from {{ cookiecutter.package_name }}.model_repository import resnet_weights
-    from {{ cookiecutter.package_name }}.stages import DTYPES, Reference
+    from {{ cookiecutter.package_name }}.stages import Reference
     from {{ cookiecutter.package_name }}.weights import write_random
 
+    precisions = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--precision", nargs="+", default=["fp32", "fp16"], choices=list(DTYPES))
+    parser.add_argument("--precision", nargs="+", default=["fp32", "fp16"], choices=list(precisions))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -69,7 +70,7 @@ def main(argv=None) -> dict:
             weights = write_random(variant, Path(tmp) / "weights.pt")
         images = sample_jpegs(max(args.batches))
         for precision in args.precision:
-            ref = Reference(variant, weights, 5, device="cuda:0", dtype=DTYPES[precision])
+            ref = Reference(variant, weights, 5, device="cuda:0", dtype=precisions[precision])
             for batch in args.batches:
                 jpegs = images[:batch]
                 t = stage_times(ref, jpegs)
