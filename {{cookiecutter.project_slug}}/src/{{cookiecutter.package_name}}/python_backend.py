@@ -1,7 +1,7 @@
 """What every model.py shares: where the instance runs, zero-copy tensor handoff, BLS calls, errors.
 
 Only importable inside Triton's Python backend stub (it imports `triton_python_backend_utils`).
-The zero-copy rules live here, once:
+The zero-copy rules live here, once, and so does the batching of an execute()'s requests (`Batch`):
 - tensors stay on the instance's own device (`model_instance_device_id`), on every thread the stub runs it on;
 - Triton tensors become torch tensors and back through DLPack, never `as_numpy()` (strings excepted);
 - a torch tensor handed to Triton stays referenced by the pb_utils.Tensor built from it, until the response
@@ -14,8 +14,11 @@ import asyncio
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack
@@ -168,6 +171,106 @@ def error_response(exc: Exception) -> pb_utils.InferenceResponse:
     else:
         message, code = f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+def join(parts: list) -> Any:
+    """Every request's rows as one batch: torch tensors, numpy arrays, or dicts of them by name (one part: itself,
+    no copy)."""
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], dict):
+        return {name: join([part[name] for part in parts]) for name in parts[0]}
+    return torch.cat(parts) if isinstance(parts[0], torch.Tensor) else np.concatenate(parts)
+
+
+def _rows(data: Any, start: int, end: int) -> Any:
+    if isinstance(data, dict):
+        return {name: value[start:end] for name, value in data.items()}
+    return data[start:end]
+
+
+def split_responses(outputs: dict, sizes: list[int | Exception]) -> list[pb_utils.InferenceResponse]:
+    """One response per request from the outputs of their joined batch ({name: torch tensor or numpy array}):
+    request i gets the next sizes[i] rows of every output (torch tensors zero-copy), or its error when sizes[i] is
+    an exception."""
+    responses, start = [], 0
+    for size in sizes:
+        if isinstance(size, Exception):
+            responses.append(error_response(size))
+            continue
+        rows = _rows(outputs, start, start + size)
+        tensors = [to_triton(n, t) if isinstance(t, torch.Tensor) else pb_utils.Tensor(n, t) for n, t in rows.items()]
+        responses.append(pb_utils.InferenceResponse(tensors))
+        start += size
+    return responses
+
+
+@dataclass
+class Batch:
+    """The requests of one execute() as one batch, stage after stage.
+
+    `data`: the rows of every request still served, joined (a tensor, or {name: tensor or array}; None when none
+    is); `sizes`: per request, its number of rows in `data`, or the exception it answers with.
+    """
+
+    data: Any
+    sizes: list[int | Exception]
+
+    async def then(self, stage, by: list | None = None) -> Batch:
+        """The next stage, `await stage(data)`, once for every request still served; if it raises, each of them
+        answers with its error. With `by` (a key per request, e.g. the model version it asks for; an exception:
+        that request answers with it), once per key, `await stage(rows, key)` on the rows of that key's requests."""
+        if by is not None:
+            return await self._then_by(stage, by)
+        if self.data is None:
+            return self
+        try:
+            return Batch(await stage(self.data), self.sizes)
+        except Exception as exc:
+            return Batch(None, [size if isinstance(size, Exception) else exc for size in self.sizes])
+
+    async def _then_by(self, stage, keys: list) -> Batch:
+        served = [i for i, size in enumerate(self.sizes) if not isinstance(size, Exception)]
+        starts = dict(zip(served, np.cumsum([0] + [self.sizes[i] for i in served]).tolist()))
+        sizes = [key if isinstance(key, Exception) and i in starts else self.sizes[i] for i, key in enumerate(keys)]
+        groups: dict[Any, list[int]] = {}
+        for i in served:
+            if not isinstance(sizes[i], Exception):
+                groups.setdefault(keys[i], []).append(i)
+
+        async def serve(key, members: list[int]) -> Batch:
+            rows = [_rows(self.data, starts[i], starts[i] + sizes[i]) for i in members]
+            return await Batch(self.data if members == served else join(rows), [sizes[i] for i in members]).then(
+                lambda data: stage(data, key)
+            )
+
+        results = dict(zip(groups, await asyncio.gather(*(serve(key, members) for key, members in groups.items()))))
+        parts, offsets = [], dict.fromkeys(groups, 0)
+        for key, members in groups.items():
+            for i, size in zip(members, results[key].sizes):
+                sizes[i] = size
+        for i, key in enumerate(keys):  # the rows of each request still served, back in request order
+            if i in starts and not isinstance(sizes[i], Exception):
+                parts.append(_rows(results[key].data, offsets[key], offsets[key] + sizes[i]))
+                offsets[key] += sizes[i]
+        return Batch(join(parts) if parts else None, sizes)
+
+
+async def batch_then_alone(stage, inputs: list[pb_utils.Tensor]) -> Batch:
+    """`await stage(x)` once on every request's input joined (a host input, as encoded images are); if that fails
+    with an input error, once on each request's input alone, so that the error reaches only the request that sent
+    the bad input. Any other error (overload, a timeout) is no request's fault: every request answers with it."""
+    joined = inputs[0]
+    if len(inputs) > 1:
+        joined = pb_utils.Tensor(inputs[0].name(), np.concatenate([tensor.as_numpy() for tensor in inputs]))
+    try:
+        return Batch(await stage(joined), [tensor.shape()[0] for tensor in inputs])
+    except Exception as exc:
+        if len(inputs) == 1 or not is_input_error(exc):
+            return Batch(None, [exc] * len(inputs))
+    alone = await asyncio.gather(*(stage(tensor) for tensor in inputs), return_exceptions=True)
+    served = [rows for rows in alone if not isinstance(rows, Exception)]
+    return Batch(join(served) if served else None, [r if isinstance(r, Exception) else r.shape[0] for r in alone])
 
 
 def exit_stub() -> None:
