@@ -1,6 +1,6 @@
 """Benchmark 1: the cost of one hop inside Triton, DLPack vs as_numpy() + torch.from_numpy().cuda().
 
-    python benchmarks/hop.py [--batches 1 2 4 ... 256] [--out benchmarks/results]
+    python -m benchmarks.hop [--batches 1 2 4 ... 256] [--out benchmarks/results]
 
 Serves benchmarks/hop_models (a driver stage that BLS-calls a sink stage, both KIND_GPU) and times the whole
 synchronous BLS call that hands a [B,3,224,224] GPU tensor from the driver to the sink, FP32 and FP16:
@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from _common import PROJECT, RESULTS, bench_server, environment, write
+
+from ._common import PROJECT, RESULTS, bench_server, environment, write
 
 DTYPES = {"fp32": 0, "fp16": 1}
 MODES = {"dlpack": 0, "numpy": 1}

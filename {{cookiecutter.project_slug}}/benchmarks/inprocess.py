@@ -1,6 +1,6 @@
 """Benchmark 3: the same stages in-process in PyTorch, no Triton, same GPU, batch and precision: the ceiling.
 
-    python benchmarks/inprocess.py [--precision fp32 fp16] [--batches 1 8 32 128] [--out benchmarks/results]
+    python -m benchmarks.inprocess [--precision fp32 fp16] [--batches 1 8 32 128] [--out benchmarks/results]
 
 Times Preprocess (GPU JPEG decode + resize/crop + normalize), Classifier and Postprocess from
 src/<package>/stages.py, alone and chained, on 500x375 JPEGs. Writes inprocess.json, .md and .png.
@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import RESULTS, environment, sample_jpegs, write
+from ._common import PROJECT, RESULTS, environment, sample_jpegs, write
 
 
 def timed(fn, budget_s: float = 1.5, min_runs: int = 5) -> float:
@@ -50,7 +50,6 @@ def stage_times(ref, jpegs: list[bytes]) -> dict[str, float]:
 
 def main(argv=None) -> dict:
     import torch
-    from _common import PROJECT
 
     from {{ cookiecutter.package_name }}.model_repository import resnet_weights
     from {{ cookiecutter.package_name }}.stages import Reference

@@ -1,6 +1,6 @@
 """Benchmark: the same requests over gRPC, system shared memory and CUDA shared memory (same-host clients).
 
-    python benchmarks/shm.py [--images-per-request 1 16 128] [--concurrency 1 4] [--seconds 3]
+    python -m benchmarks.shm [--images-per-request 1 16 128] [--concurrency 1 4] [--seconds 3]
 
 Starts the project's tritonserver (its own flags; random weights unless model_repository has weights.pt) and, for
 each transport and images per request, runs `concurrency` closed-loop clients (threads, each its own
@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import RESULTS, bench_repository, bench_server, environment, sample_jpegs, write
+
+from ._common import RESULTS, bench_repository, bench_server, environment, sample_jpegs, write
 
 TRANSPORTS = ["grpc", "system", "grpc-pixels", "system-pixels", "cuda"]
 
