@@ -97,6 +97,12 @@ def main(argv=None) -> dict:
         "pipeline_img_s",
         "pipeline_ms",
     ]
+    write("inprocess", results, rows, columns, plot_stages(rows), args.out)
+    return results
+
+
+def plot_stages(rows: list[dict]):
+    """plot(ax) for _common.write: images/s over the batch, a line per stage and precision."""
 
     def plot(ax):
         for precision, style in (("fp32", "-"), ("fp16", "--"), ("bf16", ":")):
@@ -116,8 +122,7 @@ def main(argv=None) -> dict:
         ax.set_ylabel("images/s")
         ax.legend()
 
-    write("inprocess", results, rows, columns, plot, args.out)
-    return results
+    return plot
 
 
 if __name__ == "__main__":
