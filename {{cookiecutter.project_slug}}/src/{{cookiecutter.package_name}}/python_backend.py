@@ -189,20 +189,34 @@ def _rows(data: Any, start: int, end: int) -> Any:
     return data[start:end]
 
 
+def _count(rows: Any) -> int:
+    return len(next(iter(rows.values()))) if isinstance(rows, dict) else len(rows)
+
+
+def _parts(data: Any, sizes: list[int | Exception]) -> list:
+    """Per request: its rows of the joined `data` (views), or the exception it answers with."""
+    parts, start = [], 0
+    for size in sizes:
+        if isinstance(size, Exception):
+            parts.append(size)
+        else:
+            parts.append(_rows(data, start, start + size))
+            start += size
+    return parts
+
+
 def split_responses(outputs: dict, sizes: list[int | Exception]) -> list[pb_utils.InferenceResponse]:
     """One response per request from the outputs of their joined batch ({name: torch tensor or numpy array}):
     request i gets the next sizes[i] rows of every output (torch tensors zero-copy), or its error when sizes[i] is
     an exception."""
-    responses, start = [], 0
-    for size in sizes:
-        if isinstance(size, Exception):
-            responses.append(error_response(size))
-            continue
-        rows = _rows(outputs, start, start + size)
-        tensors = [to_triton(n, t) if isinstance(t, torch.Tensor) else pb_utils.Tensor(n, t) for n, t in rows.items()]
-        responses.append(pb_utils.InferenceResponse(tensors))
-        start += size
-    return responses
+    return [
+        error_response(part)
+        if isinstance(part, Exception)
+        else pb_utils.InferenceResponse(
+            [to_triton(n, t) if isinstance(t, torch.Tensor) else pb_utils.Tensor(n, t) for n, t in part.items()]
+        )
+        for part in _parts(outputs, sizes)
+    ]
 
 
 @dataclass
@@ -215,6 +229,13 @@ class Batch:
 
     data: Any
     sizes: list[int | Exception]
+
+    @classmethod
+    def of(cls, parts: list) -> Batch:
+        """From each request's rows, or the exception it answers with."""
+        rows = [part for part in parts if not isinstance(part, Exception)]
+        sizes = [part if isinstance(part, Exception) else _count(part) for part in parts]
+        return cls(join(rows) if rows else None, sizes)
 
     async def then(self, stage, by: list | None = None) -> Batch:
         """The next stage, `await stage(data)`, once for every request still served; if it raises, each of them
@@ -230,30 +251,25 @@ class Batch:
             return Batch(None, [size if isinstance(size, Exception) else exc for size in self.sizes])
 
     async def _then_by(self, stage, keys: list) -> Batch:
-        served = [i for i, size in enumerate(self.sizes) if not isinstance(size, Exception)]
-        starts = dict(zip(served, np.cumsum([0] + [self.sizes[i] for i in served]).tolist()))
-        sizes = [key if isinstance(key, Exception) and i in starts else self.sizes[i] for i, key in enumerate(keys)]
+        parts = [
+            key if isinstance(key, Exception) and not isinstance(part, Exception) else part
+            for part, key in zip(_parts(self.data, self.sizes), keys)
+        ]
         groups: dict[Any, list[int]] = {}
-        for i in served:
-            if not isinstance(sizes[i], Exception):
+        for i, part in enumerate(parts):
+            if not isinstance(part, Exception):
                 groups.setdefault(keys[i], []).append(i)
+        served = sum(not isinstance(size, Exception) for size in self.sizes)
 
-        async def serve(key, members: list[int]) -> Batch:
-            rows = [_rows(self.data, starts[i], starts[i] + sizes[i]) for i in members]
-            return await Batch(self.data if members == served else join(rows), [sizes[i] for i in members]).then(
-                lambda data: stage(data, key)
-            )
+        async def serve(key, members: list[int]) -> Batch:  # every request still served in one group: no copy
+            batch = Batch(self.data, [self.sizes[i] for i in members]) if len(members) == served else None
+            return await (batch or Batch.of([parts[i] for i in members])).then(lambda data: stage(data, key))
 
-        results = dict(zip(groups, await asyncio.gather(*(serve(key, members) for key, members in groups.items()))))
-        parts, offsets = [], dict.fromkeys(groups, 0)
-        for key, members in groups.items():
-            for i, size in zip(members, results[key].sizes):
-                sizes[i] = size
-        for i, key in enumerate(keys):  # the rows of each request still served, back in request order
-            if i in starts and not isinstance(sizes[i], Exception):
-                parts.append(_rows(results[key].data, offsets[key], offsets[key] + sizes[i]))
-                offsets[key] += sizes[i]
-        return Batch(join(parts) if parts else None, sizes)
+        done = await asyncio.gather(*(serve(key, members) for key, members in groups.items()))
+        for members, batch in zip(groups.values(), done):
+            for i, part in zip(members, _parts(batch.data, batch.sizes)):
+                parts[i] = part
+        return Batch.of(parts)
 
 
 async def batch_then_alone(stage, inputs: list[pb_utils.Tensor]) -> Batch:
@@ -268,9 +284,7 @@ async def batch_then_alone(stage, inputs: list[pb_utils.Tensor]) -> Batch:
     except Exception as exc:
         if len(inputs) == 1 or not is_input_error(exc):
             return Batch(None, [exc] * len(inputs))
-    alone = await asyncio.gather(*(stage(tensor) for tensor in inputs), return_exceptions=True)
-    served = [rows for rows in alone if not isinstance(rows, Exception)]
-    return Batch(join(served) if served else None, [r if isinstance(r, Exception) else r.shape[0] for r in alone])
+    return Batch.of(await asyncio.gather(*(stage(tensor) for tensor in inputs), return_exceptions=True))
 
 
 def exit_stub() -> None:
