@@ -5,9 +5,9 @@
 #   scripts/gpu_run.sh OUT STEP [STEP ...]    # there: from the template root, after `source .gpu-bundle/activate`
 #
 # STEP is one word plus arguments for that script, quoted together:
-#   "inprocess ARGS"  benchmarks/inprocess.py      "e2e LABEL ARGS"  benchmarks/e2e.py
-#   "hop ARGS"        benchmarks/hop.py            "pytest ARGS"     the baked project's tests
-#   "soak ARGS"       benchmarks/soak.py (memory over a long mixed load)
+#   "inprocess ARGS"  python -m benchmarks.inprocess   "e2e LABEL ARGS"  python -m benchmarks.e2e
+#   "hop ARGS"        python -m benchmarks.hop         "pytest ARGS"     the baked project's tests
+#   "soak ARGS"       python -m benchmarks.soak (memory over a long mixed load)
 # A step may start with a time limit in seconds ("240 pytest tests/test_gpu.py").
 # Everything goes to OUT/results.tgz (one folder per step, written after each step) and OUT/log.txt.
 set -uo pipefail
@@ -28,11 +28,11 @@ for step in "$@"; do
   fi
   echo "=== $(date -u +%T) $step"
   case ${words[0]} in
-    inprocess) "${limit[@]}" python benchmarks/inprocess.py "${words[@]:1}" --out "$work/inprocess" ;;
-    hop) "${limit[@]}" python benchmarks/hop.py "${words[@]:1}" --out "$work/hop" ;;
-    e2e) "${limit[@]}" python benchmarks/e2e.py "${words[@]:2}" --out "$work/e2e-${words[1]}" ;;
+    inprocess) "${limit[@]}" python -m benchmarks.inprocess "${words[@]:1}" --out "$work/inprocess" ;;
+    hop) "${limit[@]}" python -m benchmarks.hop "${words[@]:1}" --out "$work/hop" ;;
+    e2e) "${limit[@]}" python -m benchmarks.e2e "${words[@]:2}" --out "$work/e2e-${words[1]}" ;;
     pytest) "${limit[@]}" pytest "${words[@]:1}" -p no:cacheprovider ;;
-    soak) "${limit[@]}" python benchmarks/soak.py "${words[@]:1}" --out "$work/soak" ;;
+    soak) "${limit[@]}" python -m benchmarks.soak "${words[@]:1}" --out "$work/soak" ;;
     *) echo "unknown step ${words[0]}" ;;
   esac
   tar -C "$work" -czf "$out/results.tgz" .

@@ -27,15 +27,14 @@ EXPECTED_TREE = sorted(
 Dockerfile
 Makefile
 README.md
+benchmarks/__init__.py
 benchmarks/_common.py
 benchmarks/e2e.py
 benchmarks/hop.py
 benchmarks/hop_models/hop_driver/1/model.py
 benchmarks/hop_models/hop_driver/config.pbtxt
-benchmarks/hop_models/hop_sink_fp16/1/model.py
-benchmarks/hop_models/hop_sink_fp16/config.pbtxt
-benchmarks/hop_models/hop_sink_fp32/1/model.py
-benchmarks/hop_models/hop_sink_fp32/config.pbtxt
+benchmarks/hop_models/hop_sink/1/model.py
+benchmarks/hop_models/hop_sink/config.pbtxt
 benchmarks/inprocess.py
 benchmarks/results/.gitignore
 benchmarks/run.py
@@ -231,8 +230,8 @@ def test_hostile_text_bakes_safely(baker):
 
 def test_soak_verdict_tells_a_plateau_from_growth(default_project, monkeypatch):
     """benchmarks/soak.py's verdict on synthetic samples: growth that levels off passes, steady growth fails."""
-    monkeypatch.syspath_prepend(str(default_project / "benchmarks"))
-    import soak
+    monkeypatch.syspath_prepend(str(default_project))
+    from benchmarks import soak
 
     def samples(rss, shm=16.0):
         return [

@@ -10,7 +10,6 @@ import platform
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,6 @@ from PIL import Image
 
 PROJECT = Path(__file__).resolve().parents[1]
 RESULTS = PROJECT / "benchmarks" / "results"
-sys.path.insert(0, str(PROJECT / "src"))
 
 
 def _run(argv: list[str]) -> str:

@@ -1,6 +1,6 @@
 """Benchmark 2: end-to-end throughput and p50/p99 latency over gRPC (JPEG in, top-k out), BLS vs ensemble.
 
-    python benchmarks/e2e.py [--precision fp32 fp16] [--concurrency 1 2 4 8 16 32 64] [--images-per-request 1 16]
+    python -m benchmarks.e2e [--precision fp32 fp16] [--concurrency 1 2 4 8 16 32 64] [--images-per-request 1 16]
                              [--instances preprocess=6 resnet=2] [--mps on off]
 
 Starts the project's tritonserver (its own flags; random weights unless model_repository has weights.pt; CUDA MPS
@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import (
+
+from ._common import (
     RESULTS,
     GpuSampler,
     bench_repository,
@@ -147,9 +148,7 @@ def perf_analyzer_point(url, headers, model, image, batch, concurrency, seconds,
     }
 
 
-def main(argv=None) -> dict:
-    from {{ cookiecutter.package_name }}.model_repository import set_instance_counts
-
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--precision", nargs="+", default=[None], help="rewrite PIXELS to this (default: as baked)")
     parser.add_argument("--models", nargs="+", default=["pipeline", "ensemble"])
@@ -178,65 +177,15 @@ def main(argv=None) -> dict:
         help="CUDA MPS for the server (on: the default of serve, where there is a GPU); `on off` compares both",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
     jpegs = sample_jpegs(64)
     rows = []
     for precision, mps in [(p, m) for p in args.precision for m in args.mps]:
-        with tempfile.TemporaryDirectory() as tmp:
-            repo = bench_repository(tmp)
-            if precision:
-                set_precision(repo, precision)
-            instances = {m: int(c) for m, c in (item.split("=") for item in args.instances)}
-            set_instance_counts(repo, instances)
-            server = bench_server(repo, Path(tmp) / "tritonserver.log", mps=mps == "on")
-            mps_on = server.mps is not None  # what ran: "on" asks for MPS, a machine without it runs without
-            label = (precision or "as baked") + "".join(f" {m}x{c}" for m, c in instances.items())
-            label += " MPS" if mps_on else " no MPS"
-            try:
-                for model in args.models:
-                    if not (repo / model).is_dir():
-                        continue
-                    for n in args.images_per_request:
-                        for c in args.concurrency:
-                            headers = server.settings.admin_headers
-                            point = run_point(server.grpc_url, model, jpegs[:n], c, args.seconds, headers=headers)
-                            if args.perf_analyzer is not None and (not args.perf_analyzer or c in args.perf_analyzer):
-                                pa = perf_analyzer_point(
-                                    server.grpc_url, headers, model, jpegs[0], n, c, args.seconds, Path(tmp)
-                                )
-                                point["perf_analyzer"] = pa
-                                if "img_s" in pa:
-                                    point["pa_img_s"], point["pa_p50_ms"] = pa["img_s"], pa["p50_ms"]
-                                    point["pa_vs_own"] = pa["img_s"] / max(point["img_s"], 1e-9)
-                                else:
-                                    print(f"perf_analyzer failed: {pa['error']}")
-                            row = {
-                                "precision": label,
-                                "mps": mps_on,
-                                "mps_status": server.mps_status,
-                                "model": model,
-                                "images_per_request": n,
-                                "concurrency": c,
-                                **point,
-                                "instances": instance_counts(repo),
-                            }
-                            rows.append(row)
-                            print(
-                                f"{label} {model:9s} n={n:3d} c={c:3d}: {point['img_s']:8,.0f} img/s  "
-                                f"p50 {point['p50_ms']:7.2f} ms  p99 {point['p99_ms']:7.2f} ms  "
-                                f"errors {point['errors']}  client cpu {point['client_cpu']:.1f}  "
-                                f"gpu {point.get('gpu_util_pct', float('nan')):.0f}%"
-                                + (f"  perf_analyzer {point['pa_img_s']:,.0f} img/s" if "pa_img_s" in point else "")
-                            )
-                            for stage, st in point["stages"].items():
-                                print(
-                                    f"    {stage:12s} batch {st['mean_batch']:6.1f}  "
-                                    + "  ".join(f"{k[:-3]} {v:6.2f}" for k, v in st.items() if k.endswith("_ms"))
-                                )
-            finally:
-                server.stop()
-
+        rows += measure_server(args, precision, mps, jpegs)
     results = {
         "title": "End to end over gRPC (JPEG in, top-k out): BLS pipeline vs ensemble",
         "environment": environment(),
@@ -251,26 +200,106 @@ def main(argv=None) -> dict:
         ],
         "rows": rows,
     }
-    columns = [
-        "precision",
-        "mps",
-        "model",
-        "images_per_request",
-        "concurrency",
-        "img_s",
-        "p50_ms",
-        "p99_ms",
-        "errors",
-        "client_cpu",
-        "gpu_util_pct",
-        "pa_img_s",
-        "pa_vs_own",
-    ]
+    write("e2e", results, rows, COLUMNS, plot_throughput(rows, args.images_per_request), args.out)
+    return results
+
+
+COLUMNS = [
+    "precision",
+    "mps",
+    "model",
+    "images_per_request",
+    "concurrency",
+    "img_s",
+    "p50_ms",
+    "p99_ms",
+    "errors",
+    "client_cpu",
+    "gpu_util_pct",
+    "pa_img_s",
+    "pa_vs_own",
+]
+
+
+def measure_server(args, precision: str | None, mps: str, jpegs: list[bytes]) -> list[dict]:
+    """One server (this precision, instance counts and MPS setting): a row for every point of every entry point."""
+    from {{ cookiecutter.package_name }}.model_repository import set_instance_counts
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = bench_repository(tmp)
+        if precision:
+            set_precision(repo, precision)
+        instances = {m: int(c) for m, c in (item.split("=") for item in args.instances)}
+        set_instance_counts(repo, instances)
+        server = bench_server(repo, Path(tmp) / "tritonserver.log", mps=mps == "on")
+        mps_on = server.mps is not None  # what ran: "on" asks for MPS, a machine without it runs without
+        label = (precision or "as baked") + "".join(f" {m}x{c}" for m, c in instances.items())
+        label += " MPS" if mps_on else " no MPS"
+        try:
+            points = [
+                (model, n, c)
+                for model in args.models
+                if (repo / model).is_dir()
+                for n in args.images_per_request
+                for c in args.concurrency
+            ]
+            for model, n, c in points:
+                point = measure_point(args, server, model, jpegs, n, c, Path(tmp))
+                row = {
+                    "precision": label,
+                    "mps": mps_on,
+                    "mps_status": server.mps_status,
+                    "model": model,
+                    "images_per_request": n,
+                    "concurrency": c,
+                    **point,
+                    "instances": instance_counts(repo),
+                }
+                rows.append(row)
+                print_point(label, model, n, c, point)
+        finally:
+            server.stop()
+    return rows
+
+
+def measure_point(args, server, model: str, jpegs: list[bytes], n: int, c: int, workdir: Path) -> dict:
+    """Our own closed loop at one point, and perf_analyzer's figures beside it where asked for."""
+    headers = server.settings.admin_headers
+    point = run_point(server.grpc_url, model, jpegs[:n], c, args.seconds, headers=headers)
+    if args.perf_analyzer is not None and (not args.perf_analyzer or c in args.perf_analyzer):
+        pa = perf_analyzer_point(server.grpc_url, headers, model, jpegs[0], n, c, args.seconds, workdir)
+        point["perf_analyzer"] = pa
+        if "img_s" in pa:
+            point["pa_img_s"], point["pa_p50_ms"] = pa["img_s"], pa["p50_ms"]
+            point["pa_vs_own"] = pa["img_s"] / max(point["img_s"], 1e-9)
+        else:
+            print(f"perf_analyzer failed: {pa['error']}")
+    return point
+
+
+def print_point(label: str, model: str, n: int, c: int, point: dict) -> None:
+    print(
+        f"{label} {model:9s} n={n:3d} c={c:3d}: {point['img_s']:8,.0f} img/s  "
+        f"p50 {point['p50_ms']:7.2f} ms  p99 {point['p99_ms']:7.2f} ms  "
+        f"errors {point['errors']}  client cpu {point['client_cpu']:.1f}  "
+        f"gpu {point.get('gpu_util_pct', float('nan')):.0f}%"
+        + (f"  perf_analyzer {point['pa_img_s']:,.0f} img/s" if "pa_img_s" in point else "")
+    )
+    for stage, st in point["stages"].items():
+        print(
+            f"    {stage:12s} batch {st['mean_batch']:6.1f}  "
+            + "  ".join(f"{k[:-3]} {v:6.2f}" for k, v in st.items() if k.endswith("_ms"))
+        )
+
+
+def plot_throughput(rows: list[dict], images_per_request: list[int]):
+    """plot(ax) for _common.write: images/s over concurrency, a line per entry point, precision and request size."""
 
     def plot(ax):
         for model, color in (("pipeline", "tab:green"), ("ensemble", "tab:purple")):
             for label in dict.fromkeys(r["precision"] for r in rows):
-                for n, style in zip(args.images_per_request, ("-", "--", ":", "-.")):
+                for n, style in zip(images_per_request, ("-", "--", ":", "-.")):
                     sel = [
                         r
                         for r in rows
@@ -291,8 +320,7 @@ def main(argv=None) -> dict:
         ax.set_ylabel("images/s")
         ax.legend(fontsize=7)
 
-    write("e2e", results, rows, columns, plot, args.out)
-    return results
+    return plot
 
 
 if __name__ == "__main__":

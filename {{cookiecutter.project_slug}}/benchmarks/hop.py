@@ -1,6 +1,6 @@
 """Benchmark 1: the cost of one hop inside Triton, DLPack vs as_numpy() + torch.from_numpy().cuda().
 
-    python benchmarks/hop.py [--batches 1 2 4 ... 256] [--out benchmarks/results]
+    python -m benchmarks.hop [--batches 1 2 4 ... 256] [--out benchmarks/results]
 
 Serves benchmarks/hop_models (a driver stage that BLS-calls a sink stage, both KIND_GPU) and times the whole
 synchronous BLS call that hands a [B,3,224,224] GPU tensor from the driver to the sink, FP32 and FP16:
@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from _common import PROJECT, RESULTS, bench_server, environment, write
+
+from ._common import PROJECT, RESULTS, bench_server, environment, write
 
 DTYPES = {"fp32": 0, "fp16": 1}
 MODES = {"dlpack": 0, "numpy": 1}
@@ -47,33 +48,11 @@ def main(argv=None) -> dict:
 
     largest = max(args.batches) * 3 * 224 * 224 * 4
     pool = max(256 << 20, 4 * largest)
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         server = bench_server(PROJECT / "benchmarks" / "hop_models", Path(tmp) / "tritonserver.log", pool)
         try:
             client = grpcclient.InferenceServerClient(server.grpc_url)
-            for dtype in DTYPES:
-                for mode in MODES:
-                    measure(client, 8, dtype, mode, 5)  # warm up: CUDA contexts, pool, shm growth
-            for dtype in DTYPES:
-                for batch in args.batches:
-                    row = {
-                        "batch": batch,
-                        "dtype": dtype,
-                        "MB": batch * 3 * 224 * 224 * (4 if dtype == "fp32" else 2) / 1e6,
-                    }
-                    for mode in MODES:
-                        n = args.iterations if mode == "dlpack" else max(5, args.iterations // 10)
-                        measure(client, batch, dtype, mode, 3)
-                        times = measure(client, batch, dtype, mode, n)
-                        row[f"{mode}_ms"] = statistics.median(times)
-                        row[f"{mode}_p90_ms"] = float(np.percentile(times, 90))
-                    row["speedup"] = row["numpy_ms"] / row["dlpack_ms"]
-                    rows.append(row)
-                    print(
-                        f"{dtype} B={batch:4d}: dlpack {row['dlpack_ms']:.3f} ms, "
-                        f"numpy {row['numpy_ms']:.2f} ms, {row['speedup']:.0f}x"
-                    )
+            rows = measure_hops(client, args.batches, args.iterations)
             client.close()
         finally:
             server.stop()
@@ -90,6 +69,40 @@ def main(argv=None) -> dict:
         "rows": rows,
     }
     columns = ["dtype", "batch", "MB", "dlpack_ms", "dlpack_p90_ms", "numpy_ms", "numpy_p90_ms", "speedup"]
+    write("hop", results, rows, columns, plot_hops(rows), args.out)
+    return results
+
+
+def measure_hops(client, batches: list[int], iterations: int) -> list[dict]:
+    """A row per precision and batch: median and p90 ms of a DLPack hop and of a numpy hop."""
+    for dtype in DTYPES:
+        for mode in MODES:
+            measure(client, 8, dtype, mode, 5)  # warm up: CUDA contexts, pool, shm growth
+    rows = []
+    for dtype in DTYPES:
+        for batch in batches:
+            row = {
+                "batch": batch,
+                "dtype": dtype,
+                "MB": batch * 3 * 224 * 224 * (4 if dtype == "fp32" else 2) / 1e6,
+            }
+            for mode in MODES:
+                n = iterations if mode == "dlpack" else max(5, iterations // 10)
+                measure(client, batch, dtype, mode, 3)
+                times = measure(client, batch, dtype, mode, n)
+                row[f"{mode}_ms"] = statistics.median(times)
+                row[f"{mode}_p90_ms"] = float(np.percentile(times, 90))
+            row["speedup"] = row["numpy_ms"] / row["dlpack_ms"]
+            rows.append(row)
+            print(
+                f"{dtype} B={batch:4d}: dlpack {row['dlpack_ms']:.3f} ms, "
+                f"numpy {row['numpy_ms']:.2f} ms, {row['speedup']:.0f}x"
+            )
+    return rows
+
+
+def plot_hops(rows: list[dict]):
+    """plot(ax) for _common.write: ms per hop over the batch, DLPack and numpy, a line per precision."""
 
     def plot(ax):
         for dtype, style in (("fp32", "-"), ("fp16", "--")):
@@ -109,8 +122,7 @@ def main(argv=None) -> dict:
         ax.set_ylabel("one hop, median ms")
         ax.legend()
 
-    write("hop", results, rows, columns, plot, args.out)
-    return results
+    return plot
 
 
 if __name__ == "__main__":

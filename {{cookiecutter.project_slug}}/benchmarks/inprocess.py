@@ -1,6 +1,6 @@
 """Benchmark 3: the same stages in-process in PyTorch, no Triton, same GPU, batch and precision: the ceiling.
 
-    python benchmarks/inprocess.py [--precision fp32 fp16] [--batches 1 8 32 128] [--out benchmarks/results]
+    python -m benchmarks.inprocess [--precision fp32 fp16] [--batches 1 8 32 128] [--out benchmarks/results]
 
 Times Preprocess (GPU JPEG decode + resize/crop + normalize), Classifier and Postprocess from
 src/<package>/stages.py, alone and chained, on 500x375 JPEGs. Writes inprocess.json, .md and .png.
@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import RESULTS, environment, sample_jpegs, write
+from ._common import PROJECT, RESULTS, environment, sample_jpegs, write
 
 
 def timed(fn, budget_s: float = 1.5, min_runs: int = 5) -> float:
@@ -50,14 +50,14 @@ def stage_times(ref, jpegs: list[bytes]) -> dict[str, float]:
 
 def main(argv=None) -> dict:
     import torch
-    from _common import PROJECT
 
     from {{ cookiecutter.package_name }}.model_repository import resnet_weights
-    from {{ cookiecutter.package_name }}.stages import DTYPES, Reference
+    from {{ cookiecutter.package_name }}.stages import Reference
     from {{ cookiecutter.package_name }}.weights import write_random
 
+    precisions = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--precision", nargs="+", default=["fp32", "fp16"], choices=list(DTYPES))
+    parser.add_argument("--precision", nargs="+", default=["fp32", "fp16"], choices=list(precisions))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
             weights = write_random(variant, Path(tmp) / "weights.pt")
         images = sample_jpegs(max(args.batches))
         for precision in args.precision:
-            ref = Reference(variant, weights, 5, device="cuda:0", dtype=DTYPES[precision])
+            ref = Reference(variant, weights, 5, device="cuda:0", dtype=precisions[precision])
             for batch in args.batches:
                 jpegs = images[:batch]
                 t = stage_times(ref, jpegs)
@@ -97,6 +97,12 @@ def main(argv=None) -> dict:
         "pipeline_img_s",
         "pipeline_ms",
     ]
+    write("inprocess", results, rows, columns, plot_stages(rows), args.out)
+    return results
+
+
+def plot_stages(rows: list[dict]):
+    """plot(ax) for _common.write: images/s over the batch, a line per stage and precision."""
 
     def plot(ax):
         for precision, style in (("fp32", "-"), ("fp16", "--"), ("bf16", ":")):
@@ -116,8 +122,7 @@ def main(argv=None) -> dict:
         ax.set_ylabel("images/s")
         ax.legend()
 
-    write("inprocess", results, rows, columns, plot, args.out)
-    return results
+    return plot
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""All three benchmarks, then the Triton-to-in-process ratio: `python benchmarks/run.py [--quick]`.
+"""All three benchmarks, then the Triton-to-in-process ratio: `python -m benchmarks.run [--quick]`.
 
 Writes hop, e2e, inprocess and summary (.json, .md, .png) to benchmarks/results (or --out).
 """
@@ -9,10 +9,8 @@ import argparse
 import json
 from pathlib import Path
 
-import e2e
-import hop
-import inprocess
-from _common import RESULTS, environment, write
+from . import e2e, hop, inprocess
+from ._common import RESULTS, environment, write
 
 
 def main(argv=None) -> dict:

@@ -1,6 +1,6 @@
 """Benchmark: the same requests over gRPC, system shared memory and CUDA shared memory (same-host clients).
 
-    python benchmarks/shm.py [--images-per-request 1 16 128] [--concurrency 1 4] [--seconds 3]
+    python -m benchmarks.shm [--images-per-request 1 16 128] [--concurrency 1 4] [--seconds 3]
 
 Starts the project's tritonserver (its own flags; random weights unless model_repository has weights.pt) and, for
 each transport and images per request, runs `concurrency` closed-loop clients (threads, each its own
@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import RESULTS, bench_repository, bench_server, environment, sample_jpegs, write
+
+from ._common import RESULTS, bench_repository, bench_server, environment, sample_jpegs, write
 
 TRANSPORTS = ["grpc", "system", "grpc-pixels", "system-pixels", "cuda"]
 
@@ -146,18 +147,23 @@ def main(argv=None) -> dict:
         "rows": rows,
     }
     columns = ["transport", "images_per_request", "concurrency", "img_s", "p50_ms", "p99_ms", "errors"]
+    write("shm", results, rows, columns, plot_transports(rows, transports, max(args.concurrency)), args.out)
+    return results
+
+
+def plot_transports(rows: list[dict], transports: list[str], concurrency: int):
+    """plot(ax) for _common.write: images/s over images per request, a line per transport, at `concurrency`."""
 
     def plot(ax):
         for transport in transports:
-            sel = [r for r in rows if r["transport"] == transport and r["concurrency"] == max(args.concurrency)]
+            sel = [r for r in rows if r["transport"] == transport and r["concurrency"] == concurrency]
             ax.plot([r["images_per_request"] for r in sel], [r["img_s"] for r in sel], marker="o", label=transport)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel(f"images per request (concurrency {max(args.concurrency)})")
+        ax.set_xlabel(f"images per request (concurrency {concurrency})")
         ax.set_ylabel("images/s")
         ax.legend(fontsize=8)
 
-    write("shm", results, rows, columns, plot, args.out)
-    return results
+    return plot
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Soak: a mixed workload long enough for memory to plateau, with RSS, GPU memory and /dev/shm per process.
 
-    python benchmarks/soak.py [--clients 16] [--requests 300] [--duration 900] [--interval 5]   (make soak)
+    python -m benchmarks.soak [--clients 16] [--requests 300] [--duration 900] [--interval 5]   (make soak)
 
 Starts the project's tritonserver (its own flags, as `serve`; random weights unless model_repository has
 weights.pt) and runs --clients closed-loop gRPC clients. Each alternates pipeline and ensemble (when present) and
@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import RESULTS, bench_repository, bench_server, environment, sample_jpegs, write
+
+from ._common import RESULTS, bench_repository, bench_server, environment, sample_jpegs, write
 
 MiB = 1 << 20
 STUB = re.compile(r"/([^/\s]+)/\d+/model\.py")
@@ -284,9 +285,7 @@ def judge(samples: list[dict], max_growth_mib: float, max_shm_growth_mib: float)
 # ---------------------------------------------------------------- the run
 
 
-def main(argv=None) -> int:
-    from {{ cookiecutter.package_name }}.model_repository import load_config
-
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=16, help="concurrent closed-loop clients")
     parser.add_argument(
@@ -313,8 +312,13 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--name", default="soak", help="output file names: <name>.json, .md, .png")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def main(argv=None) -> int:
+    from {{ cookiecutter.package_name }}.model_repository import load_config
+
+    args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         repo = bench_repository(tmp)
         models = [m for m in args.models if (repo / m).is_dir()]
@@ -328,10 +332,40 @@ def main(argv=None) -> int:
             server.stop()
 
     rows = judge(samples, args.max_growth_mib, args.max_shm_growth_mib)
+    summary = summarize(args, models, sizes, samples, latencies, errors, elapsed, gpu.source)
+    summary["passed"] = not errors and not any(r["verdict"].startswith("GROWS") for r in rows)
+    results = {
+        "title": f"Soak: {args.clients} clients, {' + '.join(models)}, {'/'.join(map(str, sizes))} images per request",
+        "environment": environment(),
+        "notes": notes(args, summary, elapsed),
+        "summary": summary,
+        "rows": rows,
+        "samples": samples,
+    }
+    write(args.name, results, rows, COLUMNS, plot_memory(samples), args.out)
+    print_verdict(results, errors)
+    return 0 if summary["passed"] else 1
+
+
+COLUMNS = [
+    "metric",
+    "process",
+    "start_mib",
+    "third_mib",
+    "two_thirds_mib",
+    "end_mib",
+    "peak_mib",
+    "growth_last_third_mib",
+    "bound_mib",
+    "verdict",
+]
+
+
+def summarize(args, models, sizes, samples, latencies, errors, elapsed, gpu_source) -> dict:
+    """The run in figures: what was sent, what failed, how fast, how long (the verdict is added by main)."""
     done = samples[-1]["requests"]
     lat = np.array(latencies or [float("nan")])
-    failing = [r for r in rows if r["verdict"].startswith("GROWS")]
-    summary = {
+    return {
         "clients": args.clients,
         "requests_per_client": args.requests,
         "duration_limit_s": args.duration,
@@ -344,42 +378,26 @@ def main(argv=None) -> int:
         "requests_per_s": done / elapsed,
         "p50_ms": float(np.percentile(lat, 50)),
         "p99_ms": float(np.percentile(lat, 99)),
-        "gpu_memory_source": gpu.source,
-        "passed": not errors and not failing,
+        "gpu_memory_source": gpu_source,
     }
-    results = {
-        "title": f"Soak: {args.clients} clients, {' + '.join(models)}, {'/'.join(map(str, sizes))} images per request",
-        "environment": environment(),
-        "notes": [
-            f"{done:,} requests in {elapsed:.0f} s ({summary['requests_per_s']:.1f}/s), {len(errors)} failed; "
-            f"p50 {summary['p50_ms']:.0f} ms, p99 {summary['p99_ms']:.0f} ms. Memory sampled every "
-            f"{args.interval:g} s; GPU memory from {gpu.source}.",
-            "growth = median of the last third of the run over the median of the middle third; a process passes "
-            f"when it is at most {args.max_growth_mib:g} MiB (RSS - shm, GPU), and a /dev/shm region when at most "
-            f"{args.max_shm_growth_mib:g} MiB. RSS - shm: RSS without the /dev/shm pages the process touched "
-            "(judged once, as /dev/shm); heap (RssAnon): without mapped files either.",
-            f"Verdict: {'PASS' if summary['passed'] else 'FAIL'}.",
-        ],
-        "summary": summary,
-        "rows": rows,
-        "samples": samples,
-    }
-    columns = [
-        "metric",
-        "process",
-        "start_mib",
-        "third_mib",
-        "two_thirds_mib",
-        "end_mib",
-        "peak_mib",
-        "growth_last_third_mib",
-        "bound_mib",
-        "verdict",
+
+
+def notes(args, summary: dict, elapsed: float) -> list[str]:
+    return [
+        f"{summary['requests']:,} requests in {elapsed:.0f} s ({summary['requests_per_s']:.1f}/s), "
+        f"{summary['failed']} failed; p50 {summary['p50_ms']:.0f} ms, p99 {summary['p99_ms']:.0f} ms. Memory sampled "
+        f"every {args.interval:g} s; GPU memory from {summary['gpu_memory_source']}.",
+        "growth = median of the last third of the run over the median of the middle third; a process passes "
+        f"when it is at most {args.max_growth_mib:g} MiB (RSS - shm, GPU), and a /dev/shm region when at most "
+        f"{args.max_shm_growth_mib:g} MiB. RSS - shm: RSS without the /dev/shm pages the process touched "
+        "(judged once, as /dev/shm); heap (RssAnon): without mapped files either.",
+        f"Verdict: {'PASS' if summary['passed'] else 'FAIL'}.",
     ]
 
-    write(args.name, results, rows, columns, plot_memory(samples), args.out)
+
+def print_verdict(results: dict, errors: list[str]) -> None:
     print(f"\n{results['notes'][0]}")
-    for r in rows:
+    for r in results["rows"]:
         growth = "-" if r["growth_last_third_mib"] is None else f"{r['growth_last_third_mib']:+.0f}"
         print(
             f"{r['metric']:>15s} {r['process']:>20s}: {r['start_mib']:8.0f} -> {r['end_mib']:8.0f} MiB, "
@@ -387,8 +405,7 @@ def main(argv=None) -> int:
         )
     if errors:
         print(f"{len(errors)} failed requests, first: {errors[0]}")
-    print("PASS" if summary["passed"] else "FAIL")
-    return 0 if summary["passed"] else 1
+    print("PASS" if results["summary"]["passed"] else "FAIL")
 
 
 def plot_memory(samples: list[dict]):

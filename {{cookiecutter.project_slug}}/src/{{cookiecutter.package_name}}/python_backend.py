@@ -1,7 +1,7 @@
 """What every model.py shares: where the instance runs, zero-copy tensor handoff, BLS calls, errors.
 
 Only importable inside Triton's Python backend stub (it imports `triton_python_backend_utils`).
-The zero-copy rules live here, once:
+The zero-copy rules live here, once, and so does the batching of an execute()'s requests (`Batch`):
 - tensors stay on the instance's own device (`model_instance_device_id`), on every thread the stub runs it on;
 - Triton tensors become torch tensors and back through DLPack, never `as_numpy()` (strings excepted);
 - a torch tensor handed to Triton stays referenced by the pb_utils.Tensor built from it, until the response
@@ -14,8 +14,11 @@ import asyncio
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack
@@ -168,6 +171,120 @@ def error_response(exc: Exception) -> pb_utils.InferenceResponse:
     else:
         message, code = f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+def join(parts: list) -> Any:
+    """Every request's rows as one batch: torch tensors, numpy arrays, or dicts of them by name (one part: itself,
+    no copy)."""
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], dict):
+        return {name: join([part[name] for part in parts]) for name in parts[0]}
+    return torch.cat(parts) if isinstance(parts[0], torch.Tensor) else np.concatenate(parts)
+
+
+def _rows(data: Any, start: int, end: int) -> Any:
+    if isinstance(data, dict):
+        return {name: value[start:end] for name, value in data.items()}
+    return data[start:end]
+
+
+def _count(rows: Any) -> int:
+    return len(next(iter(rows.values()))) if isinstance(rows, dict) else len(rows)
+
+
+def _parts(data: Any, sizes: list[int | Exception]) -> list:
+    """Per request: its rows of the joined `data` (views), or the exception it answers with."""
+    parts, start = [], 0
+    for size in sizes:
+        if isinstance(size, Exception):
+            parts.append(size)
+        else:
+            parts.append(_rows(data, start, start + size))
+            start += size
+    return parts
+
+
+def split_responses(outputs: dict, sizes: list[int | Exception]) -> list[pb_utils.InferenceResponse]:
+    """One response per request from the outputs of their joined batch ({name: torch tensor or numpy array}):
+    request i gets the next sizes[i] rows of every output (torch tensors zero-copy), or its error when sizes[i] is
+    an exception."""
+    return [
+        error_response(part)
+        if isinstance(part, Exception)
+        else pb_utils.InferenceResponse(
+            [to_triton(n, t) if isinstance(t, torch.Tensor) else pb_utils.Tensor(n, t) for n, t in part.items()]
+        )
+        for part in _parts(outputs, sizes)
+    ]
+
+
+@dataclass
+class Batch:
+    """The requests of one execute() as one batch, stage after stage.
+
+    `data`: the rows of every request still served, joined (a tensor, or {name: tensor or array}; None when none
+    is); `sizes`: per request, its number of rows in `data`, or the exception it answers with.
+    """
+
+    data: Any
+    sizes: list[int | Exception]
+
+    @classmethod
+    def of(cls, parts: list) -> Batch:
+        """From each request's rows, or the exception it answers with."""
+        rows = [part for part in parts if not isinstance(part, Exception)]
+        sizes = [part if isinstance(part, Exception) else _count(part) for part in parts]
+        return cls(join(rows) if rows else None, sizes)
+
+    async def then(self, stage, by: list | None = None) -> Batch:
+        """The next stage, `await stage(data)`, once for every request still served; if it raises, each of them
+        answers with its error. With `by` (a key per request, e.g. the model version it asks for; an exception:
+        that request answers with it), once per key, `await stage(rows, key)` on the rows of that key's requests."""
+        if by is not None:
+            return await self._then_by(stage, by)
+        if self.data is None:
+            return self
+        try:
+            return Batch(await stage(self.data), self.sizes)
+        except Exception as exc:
+            return Batch(None, [size if isinstance(size, Exception) else exc for size in self.sizes])
+
+    async def _then_by(self, stage, keys: list) -> Batch:
+        parts = [
+            key if isinstance(key, Exception) and not isinstance(part, Exception) else part
+            for part, key in zip(_parts(self.data, self.sizes), keys)
+        ]
+        groups: dict[Any, list[int]] = {}
+        for i, part in enumerate(parts):
+            if not isinstance(part, Exception):
+                groups.setdefault(keys[i], []).append(i)
+        served = sum(not isinstance(size, Exception) for size in self.sizes)
+
+        async def serve(key, members: list[int]) -> Batch:  # every request still served in one group: no copy
+            batch = Batch(self.data, [self.sizes[i] for i in members]) if len(members) == served else None
+            return await (batch or Batch.of([parts[i] for i in members])).then(lambda data: stage(data, key))
+
+        done = await asyncio.gather(*(serve(key, members) for key, members in groups.items()))
+        for members, batch in zip(groups.values(), done):
+            for i, part in zip(members, _parts(batch.data, batch.sizes)):
+                parts[i] = part
+        return Batch.of(parts)
+
+
+async def batch_then_alone(stage, inputs: list[pb_utils.Tensor]) -> Batch:
+    """`await stage(x)` once on every request's input joined (a host input, as encoded images are); if that fails
+    with an input error, once on each request's input alone, so that the error reaches only the request that sent
+    the bad input. Any other error (overload, a timeout) is no request's fault: every request answers with it."""
+    joined = inputs[0]
+    if len(inputs) > 1:
+        joined = pb_utils.Tensor(inputs[0].name(), np.concatenate([tensor.as_numpy() for tensor in inputs]))
+    try:
+        return Batch(await stage(joined), [tensor.shape()[0] for tensor in inputs])
+    except Exception as exc:
+        if len(inputs) == 1 or not is_input_error(exc):
+            return Batch(None, [exc] * len(inputs))
+    return Batch.of(await asyncio.gather(*(stage(tensor) for tensor in inputs), return_exceptions=True))
 
 
 def exit_stub() -> None:

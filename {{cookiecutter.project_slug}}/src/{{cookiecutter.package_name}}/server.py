@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TRITON_RELEASE = "{{ cookiecutter.triton_version }}"
 MAX_BATCH_SIZE = {{ cookiecutter.max_batch_size }}
 CONTAINER_TRITONSERVER = Path("/opt/tritonserver")
 MiB = 1 << 20

@@ -15,7 +15,6 @@ from torchvision.transforms import v2
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ACCEPTED_FORMATS = ("JPEG", "PNG")
 # Resizing the short side to 256 makes the long side 256 x the aspect ratio: a 40000x1 PNG of 92 bytes would
 # ask for gigabytes. Panoramas up to this ratio are served.

@@ -34,11 +34,6 @@ def random_state(variant: str, seed: int = 0, num_classes: int = 1000) -> dict[s
     return torchvision.models.get_model(variant, weights=None, num_classes=num_classes).state_dict()
 
 
-def export_pretrained(variant: str, path: Path) -> Path:
-    """Only the weights file: torchvision's pretrained weights (needs internet)."""
-    return _save(pretrained_state(variant), path)
-
-
 def write_random(variant: str, path: Path, seed: int = 0, num_classes: int = 1000) -> Path:
     """Only the weights file: deterministic random weights."""
     return _save(random_state(variant, seed, num_classes), path)

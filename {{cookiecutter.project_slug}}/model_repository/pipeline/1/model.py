@@ -3,22 +3,18 @@
 All requests of one execute() make one BLS call per stage: one preprocess batch, one ResNet batch. The top-k
 runs here, with the postprocess stage's own code: it is microseconds of GPU work, and a BLS round trip costs about
 a millisecond (set the parameter `postprocess` to "bls" to call the postprocess model instead). A request whose
-images fail to decode gets its own error; the rest are served. Edit the routing here: this is the file to make
-yours.
+images fail to decode gets its own error; the rest are served (`Batch` in python_backend.py keeps the requests
+apart). Edit the routing here: this is the file to make yours.
 """
 
-import asyncio
-
-import numpy as np
-import torch
 import triton_python_backend_utils as pb_utils
 
 from {{ cookiecutter.package_name }}.python_backend import (
     Instance,
-    error_response,
+    batch_then_alone,
     exit_stub,
-    is_input_error,
     load_postprocess,
+    split_responses,
     to_triton,
 )
 
@@ -35,43 +31,11 @@ class TritonPythonModel:
 
     async def execute(self, requests):
         images = [pb_utils.get_input_tensor_by_name(request, "IMAGE") for request in requests]
-        pixels, batch = await self.preprocess(images)
-        good = [p for p in pixels if not isinstance(p, Exception)]
-        if good:
-            try:
-                outputs = await self.classify(batch if batch is not None else torch.cat(good))
-            except Exception as exc:
-                pixels = [exc if not isinstance(p, Exception) else p for p in pixels]
-
-        responses, start = [], 0
-        for p in pixels:
-            if isinstance(p, Exception):
-                responses.append(error_response(p))
-                continue
-            end = start + p.shape[0]
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(n, outputs[n][start:end]) for n in OUTPUTS]))
-            start = end
-        return responses
+        pixels = await batch_then_alone(self.preprocess, images)  # one call; a bad image fails its own request only
+        results = await pixels.then(self.classify)  # resnet and the top-k, once for every request still served
+        return split_responses(results.data, results.sizes)
 
     async def preprocess(self, images):
-        """(pixels or error per request, all pixels as one batch when every request succeeded).
-
-        All requests go in one call. If an image is bad that call fails with an input error, and each request is
-        sent again on its own, so that the error reaches only the request that holds the bad image.
-        """
-        joined = images[0]
-        if len(images) > 1:
-            joined = pb_utils.Tensor("IMAGE", np.concatenate([image.as_numpy() for image in images]))
-        try:
-            batch = await self.preprocess_one(joined)
-            return list(batch.split([image.shape()[0] for image in images])), batch
-        except Exception as exc:
-            if len(images) == 1 or not is_input_error(exc):
-                return [exc] * len(images), None  # not an image's fault (overload, timeout): no retry
-        calls = (self.preprocess_one(image) for image in images)
-        return await asyncio.gather(*calls, return_exceptions=True), None
-
-    async def preprocess_one(self, images):
         result = await self.instance.infer("preprocess", [images], ["PIXELS"], self.timeout_us)
         return self.instance.to_torch(result["PIXELS"])
 

@@ -1,9 +1,8 @@
 """Logits -> top-k softmax scores, class ids and labels (the file named by the `labels_file` parameter)."""
 
-import torch
 import triton_python_backend_utils as pb_utils
 
-from {{ cookiecutter.package_name }}.python_backend import Instance, exit_stub, load_postprocess
+from {{ cookiecutter.package_name }}.python_backend import Instance, exit_stub, join, load_postprocess, split_responses
 
 
 class TritonPythonModel:
@@ -15,13 +14,8 @@ class TritonPythonModel:
     def execute(self, requests):
         # One top-k on the GPU for every request of the batch, one copy of the results to the host.
         logits = [self.instance.input(request, "LOGITS") for request in requests]
-        outputs = self.postprocess.to_host(logits[0] if len(logits) == 1 else torch.cat(logits))
-        responses, start = [], 0
-        for part in logits:
-            end = start + part.shape[0]
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(n, t[start:end]) for n, t in outputs.items()]))
-            start = end
-        return responses
+        outputs = self.postprocess.to_host(join(logits))
+        return split_responses(outputs, [part.shape[0] for part in logits])
 
     def finalize(self):
         exit_stub()  # leave at once: python_backend.exit_stub says why

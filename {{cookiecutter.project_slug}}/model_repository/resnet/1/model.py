@@ -2,10 +2,9 @@
 
 from pathlib import Path
 
-import torch
 import triton_python_backend_utils as pb_utils
 
-from {{ cookiecutter.package_name }}.python_backend import Instance, error_response, exit_stub, to_triton
+from {{ cookiecutter.package_name }}.python_backend import Instance, error_response, exit_stub, join, split_responses
 from {{ cookiecutter.package_name }}.stages import Classifier
 
 
@@ -35,13 +34,10 @@ class TritonPythonModel:
         # One forward pass for every request the dynamic batcher gathered.
         pixels = [self.instance.input(request, "PIXELS") for request in requests]
         try:
-            logits = self.classifier(pixels[0] if len(pixels) == 1 else torch.cat(pixels))
+            logits = self.classifier(join(pixels))
         except Exception as exc:
             return [error_response(exc) for _ in requests]
-        return [
-            pb_utils.InferenceResponse([to_triton("LOGITS", part)])
-            for part in logits.split([p.shape[0] for p in pixels])
-        ]
+        return split_responses({"LOGITS": logits}, [p.shape[0] for p in pixels])
 
     def finalize(self):
         exit_stub()  # leave at once: python_backend.exit_stub says why

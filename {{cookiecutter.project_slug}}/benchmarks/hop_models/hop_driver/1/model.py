@@ -1,4 +1,4 @@
-"""Benchmark only: times BLS hops of a [B,3,224,224] GPU tensor to hop_sink_<dtype>.
+"""Benchmark only: times BLS hops of a [B,3,224,224] GPU tensor to hop_sink (as its input X_<DTYPE>).
 
 CONFIG = [batch, dtype (0: fp32, 1: fp16), mode (0: DLPack, 1: as_numpy), iterations]; MS = one time per hop.
 A hop is the whole synchronous BLS call: sender -> server -> receiving stub -> tensor usable on the GPU there.
@@ -20,15 +20,15 @@ class TritonPythonModel:
         torch.cuda.set_device(self.device)
         self.gpu = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, self.device.index)
 
-    def hop(self, x, sink, mode):
+    def hop(self, x, name, mode):
         start = time.perf_counter()
         if mode == DLPACK:
-            tensor = pb_utils.Tensor.from_dlpack("X", x)  # zero-copy view; syncs torch's stream
+            tensor = pb_utils.Tensor.from_dlpack(name, x)  # zero-copy view; syncs torch's stream
         else:
-            tensor = pb_utils.Tensor("X", x.cpu().numpy())  # the copy path: GPU -> host here, host -> GPU there
+            tensor = pb_utils.Tensor(name, x.cpu().numpy())  # the copy path: GPU -> host here, host -> GPU there
         mode_tensor = pb_utils.Tensor("MODE", np.array([mode], dtype=np.int64))
         request = pb_utils.InferenceRequest(
-            model_name=sink, inputs=[tensor, mode_tensor], requested_output_names=["ON_GPU"]
+            model_name="hop_sink", inputs=[tensor, mode_tensor], requested_output_names=["ON_GPU"]
         )
         response = request.exec()
         elapsed = (time.perf_counter() - start) * 1e3
@@ -47,7 +47,7 @@ class TritonPythonModel:
             x = torch.randn(batch, 3, 224, 224, device=self.device).to(torch_dtype)
             times = []
             for _ in range(iterations):
-                elapsed, on_gpu = self.hop(x, f"hop_sink_{name}", mode)
+                elapsed, on_gpu = self.hop(x, f"X_{name.upper()}", mode)
                 times.append(elapsed)
             # the DLPack path must deliver on the GPU without a host copy; the numpy path arrives on the host
             expected = [1, 1] if mode == DLPACK else [0, 1]

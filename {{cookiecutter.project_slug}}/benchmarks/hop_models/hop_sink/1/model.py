@@ -1,4 +1,7 @@
-"""Benchmark only: the receiving stage of one hop. ON_GPU = [arrived on the GPU, tensor now on the GPU]."""
+"""Benchmark only: the receiving stage of one hop, for both precisions (input X_FP32 or X_FP16).
+
+ON_GPU = [arrived on the GPU, tensor now on the GPU].
+"""
 
 import numpy as np
 import torch
@@ -12,7 +15,7 @@ class TritonPythonModel:
     def execute(self, requests):
         responses = []
         for request in requests:
-            x = pb_utils.get_input_tensor_by_name(request, "X")
+            x = next(tensor for tensor in request.inputs() if tensor.name() != "MODE")  # X_FP32 or X_FP16
             mode = int(pb_utils.get_input_tensor_by_name(request, "MODE").as_numpy()[0])
             if mode == DLPACK:
                 t = from_dlpack(x.to_dlpack())
