@@ -165,6 +165,45 @@ def test_serve_keeps_one_key_per_user_in_a_private_file_until_rotated(tmp_path, 
     assert path.read_text() == rotated + "\n", "TRITON_ADMIN_KEY wins and leaves the file alone"
 
 
+CPU_HOST_LOG = """\
+W1201 07:49:24.926676 20300 pinned_memory_manager.cc:273] "Unable to allocate pinned system memory, pinned memory \
+pool will not be available: CUDA driver version is insufficient for CUDA runtime version"
+E1201 07:49:24.926816 20300 server.cc:241] "CudaDriverHelper has not been initialized."
+I1201 07:49:24.927943 20300 model_lifecycle.cc:472] "loading: resnet:1"
+I1201 07:49:24.927944 20300 model_lifecycle.cc:472] "loading: resnet:2"
+E1201 07:49:50.107123 20300 ensemble_scheduler.cc:1468] "unable to create stream for ensemble: CUDA driver version \
+is insufficient for CUDA runtime version"
+I1201 07:49:50.106598 20300 model_lifecycle.cc:839] "successfully loaded 'resnet'"
+E1201 07:49:50.107300 20300 model_lifecycle.cc:642] "failed to load 'pipeline' version 1: Internal: boom"
+Error: Failed to initialize NVML
+W1201 07:49:50.108245 20300 metrics.cc:798] "DCGM unable to start: DCGM initialization error"
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_the_log_goes_to_its_file_and_the_terminal_sees_progress_and_errors(tmp_path, capsys, verbose):
+    """What `serve` shows of tritonserver's output on a host without a GPU: every line into the file; on the
+    terminal each model once as loading and as loaded, real errors, and (--verbose) the rest, less the harmless
+    CUDA/NVML/DCGM lines, which one note explains."""
+    import io
+
+    from {{ cookiecutter.package_name }}.console import LogPump
+
+    log = tmp_path / "triton.log"
+    pump = LogPump(io.BytesIO(CPU_HOST_LOG.encode()), log, gpus=[], verbose=verbose, started=time.monotonic())
+    pump.run()
+    assert log.read_text() == CPU_HOST_LOG
+    shown = capsys.readouterr().out
+    assert "boom" in shown and not any(text in shown for text in HARMLESS_WITHOUT_GPU)
+    if verbose:
+        assert shown.count("no GPU: Triton's lines about CUDA, NVML and DCGM are harmless here") == 1
+        assert shown.count("\n") == 1 + 4  # the note, the two loading lines, loaded, failed
+    else:
+        lines = shown.splitlines()
+        assert lines[0] == "  loading  resnet" and lines[1].startswith("  loaded   resnet ") and lines[1][-2:] == " s"
+        assert len(lines) == 3 and lines[2].startswith("  tritonserver: E1201 ") and "to load 'pipeline'" in lines[2]
+
+
 @local_server_only
 def test_serve_shows_progress_keeps_the_log_in_a_file_and_says_when_it_stopped(model_repository, env, tmp_path):
     """A real `serve` start and Ctrl-C: the log file first, each model loading and loaded, `ready in`, the key

@@ -378,7 +378,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # progress shows up at once, also in container logs
-    return args.run(args)
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # `... | head`: the reader stopped reading; no traceback for that
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":
