@@ -24,14 +24,14 @@ def serve(args) -> int:
     container = CONTAINER_TRITONSERVER.is_dir() if args.container is None else args.container
     address = args.address or ("0.0.0.0" if container else "127.0.0.1")
     settings = ServerSettings(args.model_repository, args.http_port, args.grpc_port, args.metrics_port, address=address)
-    if not container:  # the key same-host clients find (admin_key.py); the container's: TRITON_ADMIN_KEY or new
-        settings.admin_key, key_place = admin_key.for_serve(rotate=args.new_admin_key)
     if args.print_flags:
         print("\n".join(server_flags(settings)))
         return 0
     if args.print_shm:
         print_shm_need(settings.model_repository)
         return 0
+    if not container:  # the key same-host clients find (admin_key.py); the container's: TRITON_ADMIN_KEY or new
+        settings.admin_key, key_place = admin_key.for_serve(rotate=args.new_admin_key)
     check_dev_shm(settings.model_repository)
     # SIGTERM (docker stop) and SIGHUP (terminal closed) take the Ctrl-C path below. Stopping inside a handler
     # deadlocked: its Popen.wait() cannot reap while the interrupted outer wait() holds Popen's wait lock.
