@@ -228,11 +228,24 @@ def test_container_flags_come_from_server_flags_sized_for_the_max_batch(project,
     assert flag(flags, "model-repository") == str((path / "model_repository").resolve())
 
 
+def mps_stop_limit_s(project: Path) -> float:
+    """The longest the CUDA MPS daemon takes to stop after the server (mps.STOP_LIMIT_S of the baked package)."""
+    package = json.loads((project / ".cookiecutter.json").read_text())["cookiecutter"]["package_name"]
+    code = f"from {package} import mps; print(mps.STOP_LIMIT_S)"
+    env = dict(os.environ, PYTHONPATH=str(project / "src"))
+    result = subprocess.run(
+        [sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    return float(result.stdout)
+
+
 def test_stop_grace_period_outlasts_the_server_exit_timeout(project, tmp_path):
     path, _ = project
     exit_timeout = int(flag(server_flags(path, tmp_path, gpus=1), "exit-timeout-secs"))
     grace = seconds(compose(path, env={})["services"]["triton"]["stop_grace_period"])
-    assert grace > 2 * exit_timeout, "drain (up to the exit timeout) plus the server's own exit timeout"
+    # drain (up to the exit timeout), the server's own exit timeout, then the MPS daemon's stop
+    assert grace > 2 * exit_timeout + mps_stop_limit_s(path)
 
 
 def test_ports_publish_the_served_ports_on_loopback_by_default(project, tmp_path):
@@ -530,8 +543,9 @@ def test_k8s_grace_period_covers_prestop_drain_and_the_exit_timeout(project, k8s
     pre_stop = triton_container(k8s["base"], path)["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
     # preStop, then serve drains (up to the exit timeout), tritonserver waits out its exit timeout, and serve
-    # gives it 15 s more before SIGKILL (TritonServer.stop).
-    assert spec["terminationGracePeriodSeconds"] > int(pre_stop[1]) + 2 * exit_timeout + 15
+    # gives it 15 s more before SIGKILL (TritonServer.stop), then stops its CUDA MPS daemon (mps.STOP_LIMIT_S).
+    mps_stop = mps_stop_limit_s(path)
+    assert spec["terminationGracePeriodSeconds"] > int(pre_stop[1]) + 2 * exit_timeout + 15 + mps_stop
     assert spec["terminationGracePeriodSeconds"] >= seconds(
         compose(path, env={})["services"]["triton"]["stop_grace_period"]
     )

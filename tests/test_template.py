@@ -81,6 +81,7 @@ src/image_classifier/client.py
 src/image_classifier/console.py
 src/image_classifier/health.py
 src/image_classifier/model_repository.py
+src/image_classifier/mps.py
 src/image_classifier/python_backend.py
 src/image_classifier/server.py
 src/image_classifier/stages.py
@@ -90,6 +91,7 @@ tests/test_cli.py
 tests/test_customizing.py
 tests/test_e2e.py
 tests/test_gpu.py
+tests/test_mps.py
 tests/test_reliability.py
 tests/test_shared_memory.py
 tests/test_stages.py

@@ -139,8 +139,9 @@ def bench_repository(workdir: Path) -> Path:
     return repo
 
 
-def bench_server(repository: Path, log_path: Path, pool_bytes: int | None = None):
-    """The project's own tritonserver (same flags as `serve`) on free ports, optionally with another pool size."""
+def bench_server(repository: Path, log_path: Path, pool_bytes: int | None = None, mps: bool = True):
+    """The project's own tritonserver (same flags as `serve`, CUDA MPS on a GPU unless `mps` is False) on free
+    ports, optionally with another pool size. `server.mps_status` says whether MPS is on."""
     from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer, visible_gpus
 
     class BenchServer(TritonServer):
@@ -150,9 +151,10 @@ def bench_server(repository: Path, log_path: Path, pool_bytes: int | None = None
                 argv = with_pool_size(argv, pool_bytes, max(1, len(visible_gpus())))
             return argv, env
 
-    settings = ServerSettings.on_free_ports(repository)
+    settings = ServerSettings.on_free_ports(repository, mps=mps)
     server = BenchServer(settings, log=open(log_path, "w"))
     server.start()
+    print(f"CUDA MPS: {server.mps_status}")
     try:
         server.wait_ready(600)
     except Exception:
@@ -160,6 +162,13 @@ def bench_server(repository: Path, log_path: Path, pool_bytes: int | None = None
         print(Path(log_path).read_text()[-5000:])
         raise
     return server
+
+
+def instance_counts(repository: Path) -> dict[str, int]:
+    """{model: instances per GPU (or in all, on the CPU)} of the repository's Python-backend models."""
+    from {{ cookiecutter.package_name }}.model_repository import load_config, python_models
+
+    return {m: sum(g.count or 1 for g in load_config(repository / m).instance_group) for m in python_models(repository)}
 
 
 STAT_PHASES = ("queue", "compute_input", "compute_infer", "compute_output")

@@ -1,8 +1,10 @@
 """Benchmark 2: end-to-end throughput and p50/p99 latency over gRPC (JPEG in, top-k out), BLS vs ensemble.
 
     python benchmarks/e2e.py [--precision fp32 fp16] [--concurrency 1 2 4 8 16 32 64] [--images-per-request 1 16]
+                             [--instances preprocess=6 resnet=2] [--mps on off]
 
-Starts the project's tritonserver (its own flags; random weights unless model_repository has weights.pt),
+Starts the project's tritonserver (its own flags; random weights unless model_repository has weights.pt; CUDA MPS
+on a GPU as `serve` does, `--mps off` without it, `--mps on off` both, one server after the other),
 and for each entry point, images per request and concurrency (requests in flight, closed loop) measures
 client-side latency and images/s for --seconds. The client is several processes of gRPC threads, so that
 Python is not the limit; `client_cpu` in the JSON says how busy they were.
@@ -24,6 +26,7 @@ from _common import (
     bench_repository,
     bench_server,
     environment,
+    instance_counts,
     model_statistics,
     sample_jpegs,
     set_precision,
@@ -167,20 +170,29 @@ def main(argv=None) -> dict:
         metavar="CONCURRENCY",
         help="cross-check points with perf_analyzer: those of these concurrencies (none listed: every point)",
     )
+    parser.add_argument(
+        "--mps",
+        nargs="+",
+        choices=["on", "off"],
+        default=["on"],
+        help="CUDA MPS for the server (on: the default of serve, where there is a GPU); `on off` compares both",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
     jpegs = sample_jpegs(64)
     rows = []
-    for precision in args.precision:
+    for precision, mps in [(p, m) for p in args.precision for m in args.mps]:
         with tempfile.TemporaryDirectory() as tmp:
             repo = bench_repository(tmp)
             if precision:
                 set_precision(repo, precision)
             instances = {m: int(c) for m, c in (item.split("=") for item in args.instances)}
             set_instance_counts(repo, instances)
+            server = bench_server(repo, Path(tmp) / "tritonserver.log", mps=mps == "on")
+            mps_on = server.mps is not None  # what ran: "on" asks for MPS, a machine without it runs without
             label = (precision or "as baked") + "".join(f" {m}x{c}" for m, c in instances.items())
-            server = bench_server(repo, Path(tmp) / "tritonserver.log")
+            label += " MPS" if mps_on else " no MPS"
             try:
                 for model in args.models:
                     if not (repo / model).is_dir():
@@ -201,10 +213,13 @@ def main(argv=None) -> dict:
                                     print(f"perf_analyzer failed: {pa['error']}")
                             row = {
                                 "precision": label,
+                                "mps": mps_on,
+                                "mps_status": server.mps_status,
                                 "model": model,
                                 "images_per_request": n,
                                 "concurrency": c,
                                 **point,
+                                "instances": instance_counts(repo),
                             }
                             rows.append(row)
                             print(
@@ -230,12 +245,15 @@ def main(argv=None) -> dict:
             f"latency; {args.seconds:g} s per point after 1 s warm-up; client_cpu = client CPU cores busy; "
             "gpu_util_pct = NVML utilization, mean over the point; pa_* = perf_analyzer on the same point "
             "(the same JPEG repeated); each row's `stages` in the JSON holds Triton's per-model statistics "
-            "(requests, mean batch, queue / compute_input / compute_infer / compute_output ms per request)."
+            "(requests, mean batch, queue / compute_input / compute_infer / compute_output ms per request); "
+            "mps = the server ran under CUDA MPS (its own daemon, as `serve`); instances = the Python-backend "
+            "instance counts per GPU the row was served with."
         ],
         "rows": rows,
     }
     columns = [
         "precision",
+        "mps",
         "model",
         "images_per_request",
         "concurrency",
@@ -265,7 +283,7 @@ def main(argv=None) -> dict:
                             style,
                             marker="o",
                             color=color,
-                            alpha=1.0 if label == "fp16" else 0.6,
+                            alpha=1.0 if sel[0]["mps"] else 0.5,
                             label=f"{model} {label} {n} img/req",
                         )
         ax.set_xscale("log", base=2)

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -278,25 +279,37 @@ def test_a_truncated_jpeg_is_rejected_on_the_gpu_too():
         Preprocess("cuda:0")([data[: len(data) // 3]])
 
 
-def test_concurrent_gpu_decodes_match_the_cpu_decode_image_by_image(server):
+def test_concurrent_gpu_decodes_match_each_image_decoded_alone_on_the_gpu(server, reference):
     """Many different images in batches, through the preprocess instances running at once, each compared with the
-    CPU decode: guards against decoder output corruption under concurrency (pytorch/vision#9606)."""
+    same image decoded alone on the GPU in this process: guards against decoder output corruption under
+    concurrency (pytorch/vision#9606), which changes images wholesale.
+
+    Measured on an H200 (fp16 bake, these 96 sizes, 3 rounds from 8 threads): max |d| 0.00098 against an fp32
+    decode alone (fp16 rounding; an image swapped with its neighbour: mean |d| 1.2). Against the CPU decode,
+    nvJPEG's chroma upsampling differs from libjpeg's at such odd sizes: mean |d| up to 0.030, 6.9 % of pixels
+    over 0.1; that comparison is kept with bounds just above those."""
     config = load_config(PROJECT / "model_repository" / "preprocess")
     assert config.instance_group[0].count > 1, "needs several preprocess instances to run concurrently"
     images = [make_image(300 + i, size=(240 + 8 * (i % 11), 180 + 6 * (i % 7))) for i in range(96)]
     batches = [images[i : i + min(8, MAX_BATCH)] for i in range(0, len(images), min(8, MAX_BATCH))]
-    cpu = Preprocess()
+    cpu, one_at_a_time = Preprocess(), threading.Lock()
 
     def check(batch):
-        pixels = infer(server.grpc_url, [image_input(batch)], "preprocess").as_numpy("PIXELS")
-        diff = (torch.from_numpy(pixels.astype(np.float32)) - cpu(batch)).abs()
-        # per image: nvJPEG vs libjpeg differ by a few levels (see the test above); corruption differs wholesale
-        return [(float(d.mean()), float((d > 0.1).float().mean())) for d in diff]
+        pixels = torch.from_numpy(infer(server.grpc_url, [image_input(batch)], "preprocess").as_numpy("PIXELS"))
+        with one_at_a_time:  # the reference: each image decoded alone, nothing else decoding in this process
+            alone = torch.cat([reference.preprocess([image]).cpu() for image in batch])
+        to_gpu = (pixels.float() - alone.float()).abs().flatten(1).amax(1)
+        to_cpu = (pixels.float() - cpu(batch)).abs()
+        return [(float(g), float(c.mean()), float((c > 0.1).float().mean())) for g, c in zip(to_gpu, to_cpu)]
 
     with ThreadPoolExecutor(8) as pool:
         stats = [s for batch_stats in pool.map(check, batches * 3) for s in batch_stats]
-    worst = max(stats)
-    assert all(mean < 0.02 and far < 0.05 for mean, far in stats), worst
+    print(
+        f"\nconcurrent vs alone on the GPU, worst max |d|: {max(s[0] for s in stats)}; vs the CPU, worst mean |d|"
+        f" {max(s[1] for s in stats):.4f}, worst share over 0.1 {max(s[2] for s in stats):.4f}"
+    )
+    assert all(max_gpu <= 0.002 for max_gpu, _, _ in stats), "each image as it decodes alone (fp16 rounding at most)"
+    assert all(mean < 0.04 and far < 0.09 for _, mean, far in stats), "within nvJPEG's measured distance from libjpeg"
 
 
 def test_the_baked_default_serves_every_model_with_kind_gpu(server, probed):

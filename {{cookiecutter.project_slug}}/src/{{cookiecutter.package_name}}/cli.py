@@ -23,7 +23,9 @@ def serve(args) -> int:
 
     container = CONTAINER_TRITONSERVER.is_dir() if args.container is None else args.container
     address = args.address or ("0.0.0.0" if container else "127.0.0.1")
-    settings = ServerSettings(args.model_repository, args.http_port, args.grpc_port, args.metrics_port, address=address)
+    settings = ServerSettings(
+        args.model_repository, args.http_port, args.grpc_port, args.metrics_port, address=address, mps=args.mps
+    )
     if args.print_flags:
         print("\n".join(server_flags(settings)))
         return 0
@@ -50,10 +52,13 @@ def serve(args) -> int:
     gpus = f"GPUs {settings.gpus}" if settings.gpus else "no GPU: CPU only"
     print(f"starting tritonserver on {settings.model_repository} ({gpus})")
     server.start()
+    print(f"CUDA MPS: {server.mps_status}")
     if not container:
         pump = LogPump(server.process.stdout, log_file, settings.gpus, args.verbose, started)
         pump.start()
-    watchdog = StubWatchdog(server.grpc_url, settings.admin_headers, interval_s=args.watchdog_interval)
+    watchdog = StubWatchdog(
+        server.grpc_url, settings.admin_headers, interval_s=args.watchdog_interval, server_pid=server.process.pid
+    )
     try:
         try:
             server.wait_ready(args.timeout)
@@ -313,7 +318,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", help="listen address (default: 127.0.0.1 locally, 0.0.0.0 in the container)")
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait for the models to load")
     p.add_argument(
-        "--watchdog-interval", type=float, default=10, help="seconds between stub health probes (0: no watchdog)"
+        "--watchdog-interval",
+        type=float,
+        default=10,
+        help="seconds between probes of the pipeline; stub processes are watched every second (0: no watchdog)",
+    )
+    p.add_argument(
+        "--mps",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CUDA MPS on the GPUs: a private daemon for this run, so that the stubs' kernels run concurrently "
+        "(default: on wherever there is a GPU; --no-mps: off)",
     )
     p.add_argument(
         "--verbose", action="store_true", help="also show tritonserver's own log here (it is always in --log-file)"

@@ -1,8 +1,10 @@
 """Real health: one small inference through the pipeline, and a watchdog that reloads dead stubs.
 
 Triton 2.51 keeps `/v2/health/ready` and model readiness true after a Python-backend stub dies, while every
-request to that model fails with "Stub process '<model>_0_0' is not healthy" until the model is reloaded.
-So health here means an answer to a real request, and recovery means reloading the model that lost its stub.
+request to that model fails with "Stub process '<model>_0_0' is not healthy" until the model is reloaded (on a
+GPU such a request can hang instead). So health here means an answer to a real request, and recovery means
+reloading the model that lost its stub: the watchdog sees the dead stub itself, as a child process of the server
+that has exited and that the server has not reaped, and also reads the model's name from a failed probe.
 """
 
 from __future__ import annotations
@@ -13,12 +15,35 @@ import json
 import re
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 from PIL import Image
 
 DEAD_STUB = re.compile(r"Stub process '(?P<model>.+?)_\d+_\d+' is not healthy")
+STUB_COMMAND = "triton_python_b"  # the kernel's 15-character name of triton_python_backend_stub
+
+
+def stub_processes(server_pid: int) -> dict[int, str | None]:
+    """The Python-backend stubs of the tritonserver process `server_pid`: {pid: model name}, None for a stub that
+    has died (a zombie: it has exited and the server has not reaped it, which 2.51 does only on a reload).
+
+    A stub's command line is `triton_python_backend_stub <repository>/<model>/<version>/model.py ...`."""
+    stubs = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            command, fields = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+            if command != STUB_COMMAND or int(fields[1]) != server_pid:
+                continue
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        model = Path(argv[1].decode()).parent.parent.name if fields[0] != "Z" and len(argv) > 1 else None
+        stubs[int(stat.parent.name)] = model
+    return stubs
 
 
 @functools.cache
@@ -50,32 +75,71 @@ def restart(client: grpcclient.InferenceServerClient, model: str, admin_headers:
 
 
 class StubWatchdog(threading.Thread):
-    """Probe the pipeline every `interval_s`; reload each model whose stub is reported dead."""
+    """Reload each model whose stub died. With `server_pid` (a server on this host, as `serve` runs it) the
+    stub processes are looked at every `scan_s`: a death is seen within that time, whatever requests do. Every
+    `interval_s` the pipeline is probed too, and a model named dead in the answer is reloaded."""
 
-    def __init__(self, url: str, admin_headers: dict[str, str], interval_s: float = 10, log=print):
+    def __init__(
+        self,
+        url: str,
+        admin_headers: dict[str, str],
+        interval_s: float = 10,
+        log=print,
+        server_pid: int | None = None,
+        scan_s: float = 1,
+    ):
         super().__init__(name="stub-watchdog", daemon=True)
         self.url, self.admin_headers, self.interval_s, self.log = url, admin_headers, interval_s, log
+        self.server_pid, self.scan_s = server_pid, scan_s
         self.stopped = threading.Event()
+        self.models: dict[int, str] = {}  # every stub seen alive: pid -> model
+        self.reaped: set[int] = set()  # dead stubs already reloaded for
+        self.scan()
 
-    def check(self) -> list[str]:
-        """Probe, reload what is dead, probe again (a dead stage can hide behind a dead pipeline)."""
-        reloaded = []
-        for _ in range(4):
-            error = probe(self.url)
-            dead = sorted(set(DEAD_STUB.findall(error or "")))
+    def scan(self) -> list[str]:
+        """Models with a stub that died since it was seen alive (each death counted once)."""
+        if self.server_pid is None:
+            return []
+        dead = set()
+        for pid, model in stub_processes(self.server_pid).items():
+            if model is not None:
+                self.models[pid] = model
+            elif pid in self.models and pid not in self.reaped:
+                self.reaped.add(pid)
+                dead.add(self.models[pid])
+        return sorted(dead)
+
+    def reload(self, models: list[str], why: str) -> list[str]:
+        """Reload `models` and the BLS models that call them, all at once. On a GPU a request caught by a dead
+        stub never ends in 2.51 (the server waits for the stub without a health check), and the caller's instance
+        waits on it: only new caller stubs serve again."""
+        from .server import BLS_CALLS
+
+        callers = sorted({c for c, called in BLS_CALLS.items() for m in models if m in called} - set(models))
+        for model in models:
+            self.log(f"watchdog: the stub of {model!r} {why}; reloading {', '.join([model, *callers])}")
+        if models:
+            with grpcclient.InferenceServerClient(self.url) as client, ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda m: restart(client, m, self.admin_headers), [*models, *callers]))
+        return models
+
+    def check(self, probe_too: bool = True) -> list[str]:
+        """Reload the models whose stubs died; then probe, reload what the answer names dead, probe again (a dead
+        stage can hide behind a dead pipeline). Returns the reloaded models."""
+        reloaded = self.reload(self.scan(), "exited")
+        for _ in range(4 if probe_too else 0):
+            dead = sorted(set(DEAD_STUB.findall(probe(self.url) or "")) - set(reloaded))
             if not dead:
                 break
-            with grpcclient.InferenceServerClient(self.url) as client:
-                for model in dead:
-                    self.log(f"watchdog: the stub of {model!r} is dead; reloading {model}")
-                    restart(client, model, self.admin_headers)
-                    reloaded.append(model)
+            reloaded += self.reload(dead, "is not healthy")
         return reloaded
 
     def run(self) -> None:
-        while not self.stopped.wait(self.interval_s):
+        ticks, every = 0, max(1, round(self.interval_s / self.scan_s)) if self.server_pid else 1
+        while not self.stopped.wait(self.scan_s if self.server_pid else self.interval_s):
+            ticks += 1
             try:
-                self.check()
+                self.check(probe_too=ticks % every == 0)
             except Exception as exc:  # the server may be stopping; try again next round
                 self.log(f"watchdog: {exc}")
 

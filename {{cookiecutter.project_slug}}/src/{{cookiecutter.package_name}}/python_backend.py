@@ -10,7 +10,10 @@ The zero-copy rules live here, once:
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -108,7 +111,13 @@ class Instance:
             preferred_memory=self.host_memory if on_host else self.preferred_memory,
             timeout=timeout_us,
         )
-        response = await request.async_exec()
+        try:  # a stage whose stub died can leave a BLS call unanswered for good (2.51, on a GPU): give up in time
+            response = await asyncio.wait_for(request.async_exec(), timeout_us / 1e6 + 5 if timeout_us else None)
+        except asyncio.TimeoutError:
+            raise StageError(
+                f"{model_name}: no answer in {timeout_us / 1e6 + 5:.0f} s (a dead stub? `serve`'s watchdog reloads it)",
+                pb_utils.TritonError.UNAVAILABLE,
+            ) from None
         if response.has_error():
             message = response.error().message()
             code = pb_utils.TritonError.INVALID_ARG if INVALID_INPUT in message else response.error().code()
@@ -159,3 +168,17 @@ def error_response(exc: Exception) -> pb_utils.InferenceResponse:
     else:
         message, code = f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+def exit_stub() -> None:
+    """End this stub process at once: every model's `finalize()` calls it, last.
+
+    Triton 2.51 waits for a stub to exit after its finalize, one instance after another. The interpreter's own
+    shutdown then takes about a second per stub on a CPU, and never ends in a GPU stub that made BLS calls from
+    `async def execute` (its BLS executor and event-loop threads hold CUDA state while the interpreter tears down):
+    the server's stop hung for its whole exit timeout. Nothing is left to clean up here: the server owns the
+    /dev/shm region and the CUDA pool, and the driver releases this process's CUDA context and IPC handles.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -88,6 +88,8 @@ class ServerSettings:
     # The models clients call. Stopping unloads these first, so their in-flight requests (and the BLS calls
     # they still have to make) finish before the server stops taking requests.
     entry_models: tuple[str, ...] = ("pipeline", "ensemble", "classify_pixels")
+    # CUDA MPS for the server's GPU processes (mps.py): a private daemon per server wherever there is a GPU.
+    mps: bool = True
 
     @classmethod
     def on_free_ports(cls, model_repository: Path, **options) -> ServerSettings:
@@ -272,6 +274,8 @@ class TritonServer:
         self.container = CONTAINER_TRITONSERVER.is_dir() if container is None else container
         self.log = log
         self.process: subprocess.Popen | None = None
+        self.mps = None  # the run's MPS daemon (mps.MpsDaemon) while there is one
+        self.mps_status = "off (not started)"  # one line: on, or why not
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         if self.container:
@@ -281,20 +285,39 @@ class TritonServer:
         flags = server_flags(self.settings)
         if backends is not None:
             flags.append(f"--backend-directory={backends}")
+        if self.mps is not None:  # the server and every stub it starts are clients of the run's MPS daemon
+            env.update(self.mps.env)
         return [str(binary), *flags], env
 
+    def start_mps(self) -> None:
+        """The run's CUDA MPS daemon, where there is a GPU and MPS can run; `mps_status` says which (mps.py)."""
+        from . import mps
+
+        if self.mps is None:
+            self.mps, self.mps_status = mps.start(self.settings.gpus, enabled=self.settings.mps)
+
+    def stop_mps(self) -> None:
+        if self.mps is not None:
+            self.mps.stop()
+            self.mps = None
+
     def start(self) -> TritonServer:
+        self.start_mps()
         argv, env = self.command()
         # A session of its own: Ctrl-C in a terminal reaches this process, which drains first (stop()).
         # Should this process die without stopping it, the kernel sends the server SIGTERM.
-        self.process = subprocess.Popen(
-            argv,
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_terminate_with_parent,
-        )
+        try:
+            self.process = subprocess.Popen(
+                argv,
+                env=env,
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_terminate_with_parent,
+            )
+        except BaseException:
+            self.stop_mps()
+            raise
         return self
 
     @property
@@ -331,27 +354,45 @@ class TritonServer:
         """Unload the entry models and wait until their in-flight requests are done.
 
         A SIGTERM alone would fail them: once tritonserver shuts down it refuses every new request, the BLS
-        calls of requests already inside the pipeline included.
+        calls of requests already inside the pipeline included. An entry model is drained when it has unloaded,
+        or as soon as the first of its stubs has exited: Triton tears instances down only after the model's last
+        request is done, and in 2.51 one instance at a time, a second each (8 pipeline instances: 8 s), so the
+        rest of the pipeline's teardown overlaps the other models' after the SIGTERM.
         """
         import tritonclient.grpc as grpcclient
+
+        from .health import stub_processes
+
+        def live_stubs() -> dict[str, int]:
+            models = [m for m in stub_processes(self.process.pid).values() if m is not None]
+            return {name: models.count(name) for name in self.settings.entry_models}
 
         deadline = time.monotonic() + self.settings.exit_timeout_s
         try:
             with grpcclient.InferenceServerClient(self.grpc_url) as client:
                 headers = self.settings.admin_headers
-                for model in self.settings.entry_models:
-                    if client.is_model_ready(model):
-                        client.unload_model(model, headers=headers)
+                loaded = [m for m in self.settings.entry_models if client.is_model_ready(m)]
+                before = live_stubs()
+                for model in loaded:
+                    client.unload_model(model, headers=headers)
                 while time.monotonic() < deadline:
                     index = client.get_model_repository_index(headers=headers, as_json=True).get("models", [])
-                    entries = [m for m in index if m["name"] in self.settings.entry_models]
-                    if not any(m.get("state") == "UNLOADING" for m in entries):
+                    unloading = {m["name"] for m in index if m.get("state") == "UNLOADING"}
+                    now = live_stubs()
+                    if all(m not in unloading or now[m] < before[m] for m in loaded):
                         return
-                    time.sleep(0.2)
+                    time.sleep(0.1)
         except Exception:  # not up, or already going down: nothing left to drain
             return
 
     def stop(self) -> int | None:
+        """Stop the server (_stop_server), then its MPS daemon: also when the server had exited on its own."""
+        try:
+            return self._stop_server()
+        finally:
+            self.stop_mps()
+
+    def _stop_server(self) -> int | None:
         """Drain, SIGTERM, wait out the server's exit timeout, then SIGKILL."""
         if self.process is None or self.process.poll() is not None:
             return None if self.process is None else self.process.returncode

@@ -3,7 +3,7 @@
 import torch
 import triton_python_backend_utils as pb_utils
 
-from {{ cookiecutter.package_name }}.python_backend import Instance, load_postprocess
+from {{ cookiecutter.package_name }}.python_backend import Instance, exit_stub, load_postprocess
 
 
 class TritonPythonModel:
@@ -22,3 +22,6 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(n, t[start:end]) for n, t in outputs.items()]))
             start = end
         return responses
+
+    def finalize(self):
+        exit_stub()  # leave at once: python_backend.exit_stub says why

@@ -2,7 +2,7 @@
 
 import triton_python_backend_utils as pb_utils
 
-from {{ cookiecutter.package_name }}.python_backend import Instance, error_response, to_triton
+from {{ cookiecutter.package_name }}.python_backend import Instance, error_response, exit_stub, to_triton
 from {{ cookiecutter.package_name }}.stages import Preprocess
 
 
@@ -34,3 +34,6 @@ class TritonPythonModel:
             else pb_utils.InferenceResponse([to_triton("PIXELS", pixels)])
             for pixels in results
         ]
+
+    def finalize(self):
+        exit_stub()  # leave at once: python_backend.exit_stub says why

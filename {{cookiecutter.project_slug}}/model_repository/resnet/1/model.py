@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 import triton_python_backend_utils as pb_utils
 
-from {{ cookiecutter.package_name }}.python_backend import Instance, error_response, to_triton
+from {{ cookiecutter.package_name }}.python_backend import Instance, error_response, exit_stub, to_triton
 from {{ cookiecutter.package_name }}.stages import Classifier
 
 
@@ -42,3 +42,6 @@ class TritonPythonModel:
             pb_utils.InferenceResponse([to_triton("LOGITS", part)])
             for part in logits.split([p.shape[0] for p in pixels])
         ]
+
+    def finalize(self):
+        exit_stub()  # leave at once: python_backend.exit_stub says why
