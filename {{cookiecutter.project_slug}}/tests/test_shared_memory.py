@@ -291,9 +291,10 @@ def small_shm_server(model_repository, tmp_path_factory):
 def test_a_full_dev_shm_fails_the_request_clearly_and_the_server_recovers(small_shm_server, max_batch):
     url = small_shm_server.grpc_url
     dev_shm = Path(f"/proc/{small_shm_server.process.pid}/root/dev/shm")  # the server's own /dev/shm
-    # Encoded images live in the stubs' regions on either device (strings never go through the CUDA pool): 4 PNGs
-    # of about 560 KiB need more than a region's first MiB, so a region must grow, and cannot.
-    images = [make_image(500 + i, size=(1600, 1200), fmt="PNG") for i in range(min(4, max_batch))]
+    # Encoded images live in the stubs' regions on either device (strings never go through the CUDA pool): PNGs
+    # of more than a region's first MiB together, so that a region must grow, and cannot.
+    count = min(3, max_batch)
+    images = [make_image(500 + i, size=(1280, 960) if count == 3 else (2400, 1800), fmt="PNG") for i in range(count)]
     assert sum(map(len, images)) > MiB
     filler = dev_shm / "filler"
     with open(filler, "wb") as f:  # leave 256 KiB: the stubs' regions cannot grow
