@@ -61,6 +61,11 @@ def main():
     found = [e for e in errors() if e]
     for error in found:
         print(f"ERROR: {error}", file=sys.stderr)
+    if found:
+        # cookiecutter 2.x then logs "Stopping generation ..." with a traceback of its own (hooks.py calls
+        # logger.exception; a hook cannot silence it): say which lines to read.
+        print("Nothing was generated. The ERROR line(s) above say what to fix; the traceback cookiecutter prints "
+              "next only reports that this check stopped the bake.", file=sys.stderr)
     return 1 if found else 0
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import py_compile
 import re
+import shlex
 import subprocess
 import sys
 import tomllib
@@ -73,8 +74,10 @@ pyproject.toml
 scripts/compose_e2e.sh
 scripts/demo.py
 src/image_classifier/__init__.py
+src/image_classifier/admin_key.py
 src/image_classifier/cli.py
 src/image_classifier/client.py
+src/image_classifier/console.py
 src/image_classifier/health.py
 src/image_classifier/model_repository.py
 src/image_classifier/mps.py
@@ -83,6 +86,7 @@ src/image_classifier/server.py
 src/image_classifier/stages.py
 src/image_classifier/weights.py
 tests/conftest.py
+tests/test_cli.py
 tests/test_customizing.py
 tests/test_e2e.py
 tests/test_gpu.py
@@ -216,6 +220,63 @@ def test_invalid_answers_fail_with_the_hooks_message(baker, capfd, tmp_path, ans
     assert not any(tmp_path.iterdir()), "nothing is generated for invalid answers"
 
 
+def test_a_rejected_answer_says_nothing_was_generated_and_which_lines_to_read(baker, capfd):
+    with pytest.raises(FailedHookException):
+        baker(top_k=0)
+    err = capfd.readouterr().err.splitlines()
+    assert err[0] == "ERROR: top_k must be from 1 to 1000, got 0"
+    assert err[1].startswith("Nothing was generated. The ERROR line(s) above say what to fix")
+
+
+def test_a_bake_prints_the_next_commands(baker, capfd):
+    project = baker(project_name="Pet Classifier")
+    out = capfd.readouterr().out
+    assert project.name == "pet-classifier"
+    assert "  cd pet-classifier && make setup weights-random demo\n" in out
+    for target in ("setup", "weights-random", "demo", "serve", "test"):
+        assert f"\n{target}:" in (project / "Makefile").read_text(), f"the message names make {target}"
+
+
+@pytest.mark.parametrize("makefile", ["template", "generated"])
+def test_make_help_has_no_colour_codes_when_piped_and_aligned_columns(default_project, makefile):
+    cwd = Path(__file__).parents[1] if makefile == "template" else default_project
+    env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
+    out = subprocess.run(["make", "--no-print-directory", "help"], cwd=cwd, env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and "\033" not in out.stdout and out.stdout, out.stderr
+    lines = out.stdout.splitlines()
+    targets = [line.split()[0] for line in lines]
+    column = max(map(len, targets)) + 4  # "  target  description"
+    assert all(line[column - 2 : column] == "  " and line[column] != " " for line in lines), out.stdout
+    assert {"help", "test"} <= set(targets)
+
+
+@pytest.mark.parametrize("minor, accepted", [(9, False), (10, True), (12, True), (13, False)])
+def test_make_setup_checks_the_python_version_before_installing(baker, tmp_path, minor, accepted):
+    """A stand-in interpreter that reports 3.<minor> to the check and stops at the next step (the venv)."""
+    project = baker()
+    fake = tmp_path / f"python3.{minor}"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f"if [ \"$1\" = -c ]; then exec {sys.executable} -c "
+        f"'import sys; sys.version_info = (3, {minor}, 1, \"final\", 0); exec(sys.argv[2])' \"$@\"; fi\n"
+        'echo "past the check: $*" >&2; exit 3\n'
+    )
+    fake.chmod(0o755)
+    result = subprocess.run(["make", "setup", f"PYTHON={fake}"], cwd=project, capture_output=True, text=True)
+    assert result.returncode != 0 and not (project / ".venv").exists()
+    if accepted:
+        assert "past the check: -m venv .venv" in result.stderr, result.stderr
+    else:
+        assert result.stderr.startswith(
+            f"error: this project needs Python 3.10, 3.11 or 3.12, and {fake} is 3.{minor}: numpy<2"
+        ), result.stderr
+        assert "make setup PYTHON=python3.12" in result.stderr and "past the check" not in result.stderr
+    pyproject = tomllib.loads((project / "pyproject.toml").read_text())
+    assert pyproject["project"]["requires-python"] == ">=3.10,<3.13"
+    assert "Python 3.10, 3.11 or 3.12" in (project / "README.md").read_text()
+    assert "-rs" in pyproject["tool"]["pytest"]["ini_options"]["addopts"], "every skip says why"
+
+
 def test_hostile_text_bakes_safely(baker):
     hostile = 'Bob\'s "Quoted" \\ Classifier ünï 😺 $HOME `id`'
     project = baker(project_name=hostile, description=hostile + " desc", author_name=hostile)
@@ -268,16 +329,9 @@ def test_soak_verdict_tells_a_plateau_from_growth(default_project, monkeypatch):
     assert verdicts(soak.judge(samples([900, 1000, 1100]), 64, 16))[("RSS - shm", "resnet")].startswith("not judged")
 
 
-SUITE_COMBINATIONS = {
-    "default": {},
-    "resnet18-fp16-batch4-top3-no-ensemble": {
-        "resnet_variant": "resnet18",
-        "precision": "fp16",
-        "max_batch_size": 4,
-        "top_k": 3,
-        "include_ensemble": False,
-    },
-}
+SUITE_COMBINATIONS = {"default": {}}
+# The second whole-suite bake is also made the user's own with recipe 1 (one bake, no extra server starts).
+MADE_YOURS = {"resnet_variant": "resnet18", "precision": "fp16", "max_batch_size": 4, "top_k": 3}
 
 
 def run_baked_tests(project: Path, *pytest_args: str) -> subprocess.CompletedProcess:
@@ -309,6 +363,45 @@ def passed(result: subprocess.CompletedProcess) -> bool:
 def test_baked_project_passes_its_own_test_suite(tmp_path, answers):
     """The baked project's unit, end-to-end and reliability tests, against a real local tritonserver."""
     assert passed(run_baked_tests(bake(tmp_path, **answers)))
+
+
+def recipe_1(project: Path, classes: int = 10) -> list[str]:
+    """docs/customizing.md's recipe 1 as a user runs it in their own project: a fine-tuned ResNet-18 (its own fc,
+    `classes` outputs) and its labels file in the project root, then the recipe's `weights import` lines as
+    written. The weights are made here (seeded): nothing is downloaded. Returns the labels."""
+    import torch
+    import torchvision
+
+    torch.manual_seed(7)
+    torch.save(torchvision.models.resnet18(num_classes=classes).state_dict(), project / "my_resnet18.pt")
+    labels = [f"breed {i}" for i in range(classes)]
+    (project / "my_labels.txt").write_text("".join(label + "\n" for label in labels))
+    guide = (project / "docs" / "customizing.md").read_text()
+    section = guide.split("\n## 1. ", 1)[1].split("\n## ", 1)[0]
+    commands = [line for line in section.splitlines() if " weights import " in line and line.startswith(".venv/")]
+    assert commands, "recipe 1 shows its weights import command"
+    package = tomllib.loads((project / "pyproject.toml").read_text())["project"]["scripts"][project.name]
+    for line in commands:
+        args = shlex.split(line.split("#")[0])[1:]  # .venv/bin/<slug> -> this interpreter's console script module
+        cli = [sys.executable, "-m", package.split(":")[0], *args]
+        env = {**os.environ, "PYTHONPATH": str(project / "src")}  # not installed yet: run_baked_tests does that
+        done = subprocess.run(cli, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+    return labels
+
+
+def test_a_project_made_yours_with_recipe_1_keeps_its_own_suite_green(tmp_path):
+    """A user who follows recipe 1 in their own project (a 10-class ResNet-18, their labels; the bake's top-3
+    kept) keeps a green `make test`: the baked project's whole CPU suite, unit, end-to-end, reliability, shared
+    memory and the customizing recipes, at the repository's own class count. Also the second option combination
+    the whole suite runs for: fp16, max batch 4, no ensemble."""
+    project = bake(tmp_path, **MADE_YOURS, include_ensemble=False)
+    labels = recipe_1(project)
+    repository = project / "model_repository"
+    assert (repository / "resnet" / "labels.txt").read_text().splitlines() == labels
+    assert [list(o.dims) for o in model_config(project, "resnet").output] == [[10]]
+    assert [list(o.dims) for o in model_config(project, "pipeline").output] == [[3]] * 3
+    assert passed(run_baked_tests(project))
 
 
 def test_smallest_max_batch_serves_ordinary_concurrency_and_still_rejects_overload(tmp_path):

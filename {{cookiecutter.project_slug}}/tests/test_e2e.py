@@ -1,7 +1,5 @@
 """End to end over gRPC against a real tritonserver: the BLS pipeline, the ensemble and bad input."""
 
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -110,17 +108,6 @@ def test_a_bad_request_fails_alone_while_concurrent_good_ones_succeed(server, re
     with ThreadPoolExecutor(10) as pool:
         answers = list(pool.map(send, range(40)))
     assert answers == [expected[i % 4] if i % 5 else "StatusCode.INVALID_ARGUMENT" for i in range(40)]
-
-
-def test_cli_classify_prints_top_k(server, tmp_path, labels):
-    path = tmp_path / "cat.jpg"
-    path.write_bytes(make_image(90))
-    cli = [sys.executable, "-m", "{{ cookiecutter.package_name }}.cli", "classify", str(path), "--url", server.grpc_url]
-    out = subprocess.run(cli, capture_output=True, text=True, timeout=120, check=True).stdout
-    lines = out.splitlines()
-    assert lines[0] == str(path)
-    score, class_id, label = lines[1].split(maxsplit=2)
-    assert label == labels[int(class_id)] and 0 < float(score) <= 1
 
 
 def test_resnet_answers_triton_classification_requests_with_its_labels_file(server, model_repository, labels):

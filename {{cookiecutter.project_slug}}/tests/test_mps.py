@@ -346,9 +346,10 @@ def serving(repo: Path, workdir: Path, *serve_args: str):
     argv += ["--model-repository", str(repo), "--watchdog-interval", "0", "--timeout", "300"]
     argv += ["--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]]
     log = workdir / f"serve-{len(list(workdir.glob('serve-*.log')))}.log"
-    serve = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=workdir)
+    env = {**os.environ, "XDG_CONFIG_HOME": str(workdir)}  # serve's admin-key file: not the user's
+    serve = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=workdir, env=env)
     try:
-        assert wait_until(lambda: "ready." in log.read_text() or serve.poll() is not None, 300), log.read_text()
+        assert wait_until(lambda: "\nready in " in log.read_text() or serve.poll() is not None, 300), log.read_text()
         output = log.read_text()
         assert serve.poll() is None, output[-3000:]
         (banner,) = [line for line in output.splitlines() if line.startswith("CUDA MPS: ")]

@@ -21,7 +21,13 @@ import tritonclient.grpc as grpcclient
 from conftest import EXTERNAL_GRPC_URL, image_input, infer, make_image
 from tritonclient.utils import InferenceServerException
 
-from {{ cookiecutter.package_name }}.client import ADMIN_KEY_HEADER, REGION_PREFIX, ImageClassifier, SharedMemoryFull
+from {{ cookiecutter.package_name }}.client import (
+    ADMIN_KEY_HEADER,
+    REGION_PREFIX,
+    AdminKeyError,
+    ImageClassifier,
+    SharedMemoryFull,
+)
 from {{ cookiecutter.package_name }}.health import probe
 from {{ cookiecutter.package_name }}.server import MiB, ServerSettings, TritonServer, dev_shm_bytes
 
@@ -106,10 +112,12 @@ def test_a_bad_request_fails_alone_and_the_client_releases_its_regions(server, a
     assert not files(names)
 
 
-def test_shared_memory_needs_the_admin_key(server, admin_key):
-    with pytest.raises(ValueError, match="TRITON_ADMIN_KEY"):
-        ImageClassifier(server.grpc_url, shared_memory="system", admin_key="")
-    with pytest.raises(InferenceServerException, match="restricted"):
+def test_shared_memory_needs_the_admin_key(server, admin_key, monkeypatch, tmp_path):
+    monkeypatch.delenv("TRITON_ADMIN_KEY", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))  # and no key file `serve` keeps
+    with pytest.raises(AdminKeyError, match="no admin key was found: pass admin_key=, set TRITON_ADMIN_KEY"):
+        ImageClassifier(server.grpc_url, shared_memory="system")
+    with pytest.raises(AdminKeyError, match="^admin key rejected: .* the key from admin_key="):
         ImageClassifier(server.grpc_url, shared_memory="system", admin_key="wrong")
 
 
@@ -138,7 +146,7 @@ def test_cli_classify_over_system_shared_memory(server, admin_key, tmp_path):
         best = plain.classify([image.read_bytes()])[0][0]
     argv = [sys.executable, "-m", "{{ cookiecutter.package_name }}.cli", "classify", str(image), "--url", server.grpc_url]
     argv += ["--shared-memory", "system"]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_ADMIN_KEY"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_ADMIN_KEY"} | {"XDG_CONFIG_HOME": str(tmp_path)}
     refused = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "TRITON_ADMIN_KEY" in refused.stderr
     done = subprocess.run(argv, env={**env, "TRITON_ADMIN_KEY": admin_key}, capture_output=True, text=True, timeout=120)

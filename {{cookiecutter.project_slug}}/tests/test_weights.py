@@ -54,9 +54,15 @@ def resnet18_10(tmp_path_factory):
     return torchvision.models.resnet18(num_classes=10).state_dict()
 
 
-def test_the_baked_repository_is_consistent_with_imagenet_labels():
-    labels = assert_consistent(PROJECT / "model_repository", 1000, top_k(PROJECT / "model_repository"))
-    assert labels == imagenet_labels()
+def test_the_project_repository_is_consistent_at_its_own_class_count():
+    """The project's own repository, as shipped or as `weights import` left it: its class count (the lines of
+    labels.txt), labels and top-k agree everywhere. Where it holds ImageNet's labels, they are exactly ImageNet's."""
+    repository = PROJECT / "model_repository"
+    classes = len(read_labels(labels_path(repository)))
+    labels = assert_consistent(repository, classes, top_k(repository))
+    assert 1 <= top_k(repository) <= classes
+    if classes == 1000 and labels[0] == imagenet_labels()[0]:
+        assert labels == imagenet_labels()
 
 
 @pytest.mark.parametrize("wrap", ["state-dict", "checkpoint-with-module-prefix", "lightning-style"])
@@ -134,6 +140,10 @@ ERRORS = {
         lambda t, sd: dict(path=save(t, "w.pt", b"\xff\xd8\xff\xe0 a JPEG, not a checkpoint")),
         "is not a PyTorch checkpoint",
     ),
+    "missing-labels-file": (
+        lambda t, sd: dict(path=save(t, "w.pt", sd), labels=t / "no_such_labels.txt"),
+        "no_such_labels.txt does not exist: pass the path of your class names",
+    ),
     "blank-label-line": (
         lambda t, sd: dict(path=save(t, "w.pt", sd), labels=save(t, "l.txt", b"a\n\nc\n")),
         "line 2 is blank; write one class name per line",
@@ -151,7 +161,18 @@ def test_import_errors_name_the_fix_and_change_nothing(repository, resnet18_10, 
     cli += ["--top-k", str(args["top_k"])] if "top_k" in args else []
     result = subprocess.run(cli, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1 and result.stderr.startswith("error: ") and message in result.stderr, result.stderr
+    assert len(result.stderr.splitlines()) == 1 and "Errno" not in result.stderr, "one line, in words"
     assert {p: p.read_bytes() for p in repository.rglob("*") if p.is_file()} == before
+
+
+def test_import_says_what_it_imported_and_where(repository, resnet18_10, tmp_path):
+    torch.save(resnet18_10, tmp_path / "mine.pt")
+    cli = [sys.executable, "-m", "{{ cookiecutter.package_name }}.cli", "weights", "import", str(tmp_path / "mine.pt")]
+    cli += ["--variant", "resnet18", "--model-repository", str(repository)]
+    out = subprocess.run(cli, capture_output=True, text=True, timeout=300, check=True).stdout
+    weights = repository / "resnet" / "1" / "weights.pt"
+    assert out.startswith(f"imported resnet18 weights from {tmp_path / 'mine.pt'} (10 classes, top-"), out
+    assert f": {weights}, labels {labels_path(repository)}; (re)start `serve`" in out
 
 
 def test_a_checkpoint_with_python_objects_asks_to_be_trusted_explicitly(tmp_path, resnet18_10):

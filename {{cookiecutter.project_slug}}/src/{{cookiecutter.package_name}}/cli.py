@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -12,8 +13,13 @@ REPOSITORY = Path("model_repository")
 
 
 def serve(args) -> int:
+    import subprocess
+    import time
+
+    from . import admin_key
+    from .console import LogPump, log_header
     from .health import StubWatchdog
-    from .server import CONTAINER_TRITONSERVER, ServerSettings, TritonServer, print_model_states, server_flags
+    from .server import CONTAINER_TRITONSERVER, ServerSettings, TritonServer, _cache_dir, server_flags
 
     container = CONTAINER_TRITONSERVER.is_dir() if args.container is None else args.container
     address = args.address or ("0.0.0.0" if container else "127.0.0.1")
@@ -26,25 +32,49 @@ def serve(args) -> int:
     if args.print_shm:
         print_shm_need(settings.model_repository)
         return 0
+    if not container:  # the key same-host clients find (admin_key.py); the container's: TRITON_ADMIN_KEY or new
+        settings.admin_key, key_place = admin_key.for_serve(rotate=args.new_admin_key)
     check_dev_shm(settings.model_repository)
     # SIGTERM (docker stop) and SIGHUP (terminal closed) take the Ctrl-C path below. Stopping inside a handler
     # deadlocked: its Popen.wait() cannot reap while the interrupted outer wait() holds Popen's wait lock.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     signal.signal(signal.SIGHUP, signal.default_int_handler)
-    print(f"starting tritonserver on {settings.model_repository} (GPUs: {settings.gpus or 'none, CPU only'})")
-    server = TritonServer(settings, container=container).start()
+    started = time.monotonic()
+    pump = None
+    if container:  # the container runtime keeps the log: all of it on stdout, as before
+        server = TritonServer(settings, container=True)
+    else:  # the whole log to a file, named first; a short progress view here (--verbose: the log too)
+        log_file = args.log_file or _cache_dir() / "tritonserver.log"
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        log_file.write_text(log_header(settings.gpus))
+        print(f"tritonserver log: {log_file}{'' if args.verbose else '  (--verbose shows it here)'}")
+        server = TritonServer(settings, container=False, log=subprocess.PIPE)
+    gpus = f"GPUs {settings.gpus}" if settings.gpus else "no GPU: CPU only"
+    print(f"starting tritonserver on {settings.model_repository} ({gpus})")
+    server.start()
     print(f"CUDA MPS: {server.mps_status}")
+    if not container:
+        pump = LogPump(server.process.stdout, log_file, settings.gpus, args.verbose, started)
+        pump.start()
     watchdog = StubWatchdog(
         server.grpc_url, settings.admin_headers, interval_s=args.watchdog_interval, server_pid=server.process.pid
     )
     try:
-        server.wait_ready(args.timeout, progress=print_model_states)
+        try:
+            server.wait_ready(args.timeout)
+        except (RuntimeError, TimeoutError) as exc:
+            where = f": {log_file}" if pump else " above"
+            print(f"error: {exc}; the models' errors are in tritonserver's log{where}", file=sys.stderr)
+            return 1
         print(
-            f"ready.  gRPC localhost:{settings.grpc_port}   HTTP http://localhost:{settings.http_port}"
-            f"   metrics http://localhost:{settings.metrics_port}/metrics   (Ctrl-C stops)"
+            f"ready in {time.monotonic() - started:.1f} s: gRPC localhost:{settings.grpc_port}   HTTP "
+            f"http://localhost:{settings.http_port}   metrics http://localhost:{settings.metrics_port}/metrics"
+            "   (Ctrl-C stops)"
         )
-        if not os.environ.get("TRITON_ADMIN_KEY"):
+        if container and not os.environ.get(admin_key.ENV):
             print(f"admin APIs (model load/unload, statistics, ...) need the key {settings.admin_key}")
+        elif not container and key_place != admin_key.ENV:
+            print(f"admin key: in {key_place} (same-host clients read it there; --new-admin-key rotates it)")
         if args.watchdog_interval > 0:
             watchdog.start()
         server.process.wait()
@@ -52,7 +82,11 @@ def serve(args) -> int:
         print("stopping (in-flight requests finish first)...")
     finally:
         watchdog.stop()  # no reloads while the server drains and stops
+        stopping = time.monotonic()
         returncode = server.stop()  # the exit code, also when the server had already exited
+        if pump is not None:
+            pump.join(timeout=5)
+        print(f"stopped in {time.monotonic() - stopping:.1f} s")
     return returncode or 0
 
 
@@ -92,24 +126,118 @@ def health(args) -> int:
 
 
 def classify(args) -> int:
-    from .client import ImageClassifier
+    """One row per image (its best class, the rest of its top-k beneath), `error: <file>: <reason>` on stderr for
+    one that could not be classified while the others still print; exit 1 if any failed, 2 if none could be
+    sent (no server, no admin key, a rejected key). --json: one JSON array on stdout instead."""
+    from tritonclient.utils import InferenceServerException
 
-    images = [Path(p).read_bytes() for p in args.images]
+    from . import admin_key
+    from .client import AdminKeyError, ImageClassifier
+
+    images, outcome = {}, {}  # path -> bytes; path -> [Prediction, ...] or the reason it failed
+    for path in args.images:
+        try:
+            images[path] = Path(path).read_bytes()
+        except FileNotFoundError:
+            outcome[path] = "no such file"
+        except IsADirectoryError:
+            outcome[path] = "is a directory, not an image"
+        except OSError as exc:
+            outcome[path] = (exc.strerror or str(exc)).lower()
+    if args.shared_memory and not admin_key.find()[0]:  # the client looks it up the same way
+        return fail(
+            f"--shared-memory uses the server's admin APIs and needs its admin key: set {admin_key.ENV}, or run "
+            f"this on the host where `{{ cookiecutter.project_slug }} serve` keeps it ({admin_key.key_file()})"
+        )
     try:
         client = ImageClassifier(args.url, args.model, shared_memory=args.shared_memory)
-    except ValueError as exc:  # no admin key
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except AdminKeyError as exc:
+        return fail(str(exc))
+    except InferenceServerException as exc:
+        return fail(unreachable(args.url, exc))
     with client:
-        if args.shared_memory == "cuda":
-            results = client.classify_pixels(decode_on_gpu(client, images))
-        else:
-            results = client.classify(images, dict(args.param) or None)
-    for path, predictions in zip(args.images, results):
-        print(path)
-        for p in predictions:
-            print(f"  {p.score:7.4f}  {p.class_id:4d}  {p.label}")
-    return 0
+        try:
+            if not client.client.is_server_live():
+                return fail(f"the server at {args.url} is not live")
+        except InferenceServerException as exc:
+            return fail(unreachable(args.url, exc))
+        outcome |= classify_each(client, images, dict(args.param) or None, args.shared_memory == "cuda")
+    ordered = [(path, outcome[path]) for path in dict.fromkeys(args.images)]
+    if args.json:
+        print(json.dumps([as_json(path, result) for path, result in ordered], indent=2))
+    else:
+        print_table(ordered)
+    return 1 if any(isinstance(result, str) for _, result in ordered) else 0
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def unreachable(url: str, exc) -> str:
+    reason = (exc.message() or str(exc)).splitlines()[0]
+    return f"no server answers at {url} ({reason}): start one with `{{ cookiecutter.project_slug }} serve`, or pass --url"
+
+
+def classify_each(client, images: dict[str, bytes], parameters: dict | None, on_gpu: bool) -> dict:
+    """{path: predictions, or why it failed}. Batches of up to the model's max batch size; a batch that fails is
+    sent again image by image, so one bad image fails alone."""
+    from tritonclient.utils import InferenceServerException
+
+    def one(data: list[bytes]):
+        if on_gpu:
+            return client.classify_pixels(decode_on_gpu(client, data))
+        return client.classify(data, parameters)
+
+    def reason(exc: Exception) -> str:
+        text = exc.message() if isinstance(exc, InferenceServerException) else str(exc)
+        return (text or type(exc).__name__).strip()
+
+    paths, results = list(images), {}
+    size = max(1, client._config(client.model).max_batch_size) if not on_gpu else 1
+    for start in range(0, len(paths), size):
+        chunk = paths[start : start + size]
+        try:
+            results.update(zip(chunk, one([images[p] for p in chunk])))
+            continue
+        except (InferenceServerException, ValueError) as exc:
+            if len(chunk) == 1:
+                results[chunk[0]] = reason(exc)
+                continue
+        for path in chunk:
+            try:
+                results[path] = one([images[path]])[0]
+            except (InferenceServerException, ValueError) as exc:
+                results[path] = reason(exc)
+    return results
+
+
+HEADER = ("score", "class id", "label")
+
+
+def print_table(rows: list[tuple[str, object]]) -> None:
+    """image | score | class id | label; the image's name on its best class, its other top-k rows beneath."""
+    width = max([len("image"), *(len(path) for path, result in rows if not isinstance(result, str))])
+    header = False
+    for path, result in rows:
+        if isinstance(result, str):
+            print(f"error: {path}: {result}", file=sys.stderr, flush=True)
+            continue
+        if not header:
+            print(f"{'image':{width}s}  {HEADER[0]:>7s}  {HEADER[1]:>8s}  {HEADER[2]}")
+            header = True
+        for rank, p in enumerate(result):
+            print(f"{path if rank == 0 else '':{width}s}  {p.score:7.4f}  {p.class_id:8d}  {p.label}", flush=True)
+
+
+def as_json(path: str, result) -> dict:
+    if isinstance(result, str):
+        return {"image": path, "error": result}
+    return {
+        "image": path,
+        "predictions": [{"score": p.score, "class_id": p.class_id, "label": p.label} for p in result],
+    }
 
 
 def key_value(text: str) -> tuple[str, str]:
@@ -141,7 +269,7 @@ def decode_on_gpu(client, images: list[bytes]):
     )
     (pixels,) = preprocess.batch([images])
     if isinstance(pixels, Exception):
-        raise SystemExit(f"cannot decode: {pixels}")
+        raise ValueError(f"cannot decode: {pixels}")
     return pixels
 
 
@@ -161,9 +289,13 @@ def weights(args) -> int:
     except w.WeightsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if args.source == "import":
+        what = f"imported {done.variant} weights from {args.path}"
+    else:
+        what = f"wrote {args.source} {done.variant} weights"
     print(
-        f"wrote {args.source} {done.variant} weights ({done.classes} classes, top-{done.top_k}) to {done.weights}, "
-        f"labels to {done.labels}; (re)start `serve` to use them"
+        f"{what} ({done.classes} classes, top-{done.top_k}): {done.weights}, labels {done.labels}; "
+        "(re)start `serve` to use them"
     )
     return 0
 
@@ -198,6 +330,19 @@ def main(argv: list[str] | None = None) -> int:
         help="CUDA MPS on the GPUs: a private daemon for this run, so that the stubs' kernels run concurrently "
         "(default: on wherever there is a GPU; --no-mps: off)",
     )
+    p.add_argument(
+        "--verbose", action="store_true", help="also show tritonserver's own log here (it is always in --log-file)"
+    )
+    p.add_argument(
+        "--log-file",
+        type=Path,
+        help="where tritonserver's log goes (default: ~/.cache/{{ cookiecutter.project_slug }}/tritonserver.log)",
+    )
+    p.add_argument(
+        "--new-admin-key",
+        action="store_true",
+        help="rotate the admin key: write a new one to its file before starting (clients of the old one are refused)",
+    )
     p.add_argument("--print-flags", action="store_true", help="print the tritonserver flags, one per line, and exit")
     p.add_argument(
         "--print-shm", action="store_true", help="print how much /dev/shm the Python-backend stubs need, and exit"
@@ -220,9 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--shared-memory",
         choices=["system", "cuda"],
-        help="same host only, needs TRITON_ADMIN_KEY. system: images and results through /dev/shm; "
+        help="same host only, needs the admin key (TRITON_ADMIN_KEY, else the file `serve` keeps it in). system: "
+        "images and results through /dev/shm; "
         "cuda: decode on this machine's GPU, pixels to classify_pixels through CUDA shared memory",
     )
+    p.add_argument("--json", action="store_true", help="print one JSON array (image, predictions or error) for scripts")
     p.set_defaults(run=classify)
 
     p = commands.add_parser("weights", help="write the ResNet weights, labels.txt and the configs that depend on them")
@@ -246,7 +393,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # progress shows up at once, also in container logs
-    return args.run(args)
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # `... | head`: the reader stopped reading; no traceback for that
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

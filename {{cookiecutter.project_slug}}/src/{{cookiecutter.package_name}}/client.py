@@ -8,7 +8,8 @@
   them from GPU memory, no round trip through the host. The small results come back over gRPC.
 
 Registering a region makes the server map memory it is told to by name, so the shared-memory API stays behind the
-admin key: these modes need the server's key (TRITON_ADMIN_KEY, or `admin_key=`). The client unregisters and
+admin key: these modes need the server's key (`admin_key=`, else TRITON_ADMIN_KEY, else the file a local `serve`
+keeps it in, admin_key.key_file()). The client unregisters and
 frees every region it made on close(), on any error, on Ctrl-C and at interpreter exit. A client killed outright
 (SIGKILL) cannot; the next shared-memory client on the host, and `serve` when it stops, remove what it left
 (`remove_stale_regions`), and so does `serve`'s watchdog within seconds with nobody else calling.
@@ -30,6 +31,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor, serialized_byte_size
 
+from .admin_key import find as find_admin_key
+from .admin_key import key_file as admin_key_file
 from .server import DEV_SHM_ADVICE, SHM_GROWTH_FAILED
 
 DEFAULT_URL = "localhost:{{ cookiecutter.grpc_port }}"
@@ -43,6 +46,10 @@ REGION_PREFIX = "{{ cookiecutter.package_name }}_client_"
 LABEL_BYTES = 4 + 252  # room per label in the output region: 4-byte length + up to 252 bytes of text
 BYTES_PER_ELEMENT = {"FP32": 4, "FP16": 2, "BF16": 2, "INT64": 8}
 MiB = 1 << 20
+
+
+class AdminKeyError(ValueError):
+    """No admin key for an admin API (shared memory), or a key the server rejected; the message says which."""
 
 
 class SharedMemoryFull(InferenceServerException):
@@ -220,14 +227,25 @@ class ImageClassifier:
         self._lock = threading.Lock()
         self._regions = None
         if shared_memory:
-            admin_key = admin_key or os.environ.get("TRITON_ADMIN_KEY")
+            source = "admin_key="
             if not admin_key:
-                raise ValueError(
-                    "shared memory is an admin API of this server: pass admin_key= or set TRITON_ADMIN_KEY "
-                    "(`serve` prints its key when the variable is unset)"
+                admin_key, source = find_admin_key()
+            if not admin_key:
+                raise AdminKeyError(
+                    "shared memory is an admin API of this server and no admin key was found: pass admin_key=, set "
+                    f"TRITON_ADMIN_KEY, or run on the host where `serve` keeps its key ({admin_key_file()})"
                 )
             headers = {ADMIN_KEY_HEADER: admin_key}
-            remove_stale_regions(self.client, headers)  # also checks the key: a wrong one fails here
+            try:
+                remove_stale_regions(self.client, headers)  # also checks the key: a wrong one fails here
+            except InferenceServerException as exc:
+                if "restricted" not in (exc.message() or ""):
+                    raise
+                raise AdminKeyError(
+                    f"admin key rejected: the server at {url} does not accept the key from {source}; use the key of "
+                    f"the running `serve` (TRITON_ADMIN_KEY, or {admin_key_file()} on its host; "
+                    "`serve --new-admin-key` makes a new one)"
+                ) from None
             self._regions = _Regions(self.client, shared_memory, headers)
             self._finalizer = weakref.finalize(self, self._regions.release)
 

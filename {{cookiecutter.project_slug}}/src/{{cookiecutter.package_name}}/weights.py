@@ -196,9 +196,16 @@ def import_weights(
     variant = variant or repo.resnet_weights(repository)[0]
     labels = None
     if labels_file is not None:
+        if not Path(labels_file).is_file():
+            raise WeightsError(
+                f"the labels file {labels_file} does not exist: pass the path of your class names, one per line "
+                "(line i naming class i), or leave --labels out for class_0, class_1, ..."
+            )
         try:
             labels = read_labels(labels_file)
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
+            raise WeightsError(f"cannot read the labels file {labels_file}: {exc.strerror}") from None
+        except ValueError as exc:
             raise WeightsError(str(exc)) from None
     return install(repository, load_state_dict(path), variant, labels, top_k, version)
 

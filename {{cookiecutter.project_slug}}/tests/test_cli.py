@@ -1,0 +1,246 @@
+"""The command line as a user meets it, against a real tritonserver over gRPC: `classify`'s rows, errors and exit
+status, the admin key (none, wrong, from the file `serve` keeps), and `serve`'s start and stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import EXTERNAL_GRPC_URL, make_image
+
+from {{ cookiecutter.package_name }} import admin_key
+from {{ cookiecutter.package_name }}.client import ImageClassifier
+from {{ cookiecutter.package_name }}.console import HARMLESS_WITHOUT_GPU
+from {{ cookiecutter.package_name }}.model_repository import labels_path, top_k
+from {{ cookiecutter.package_name }}.server import free_port, visible_gpus
+from {{ cookiecutter.package_name }}.stages import read_labels
+
+pytestmark = pytest.mark.e2e
+local_server_only = pytest.mark.skipif(bool(EXTERNAL_GRPC_URL), reason="needs a local server it can inspect")
+CLI = [sys.executable, "-m", "{{ cookiecutter.package_name }}.cli"]
+
+
+@pytest.fixture
+def env(tmp_path) -> dict[str, str]:
+    """The environment of a user with no admin key anywhere: no TRITON_ADMIN_KEY, an empty config directory."""
+    config = tmp_path / "config"
+    config.mkdir()
+    return {**{k: v for k, v in os.environ.items() if k != admin_key.ENV}, "XDG_CONFIG_HOME": str(config)}
+
+
+@pytest.fixture
+def images(tmp_path) -> dict[str, Path]:
+    """Two images, a text file and a path that does not exist, in the project directory of a user."""
+    files = {"cat.jpg": make_image(90), "dog.png": make_image(91, fmt="PNG"), "notes.txt": b"buy milk\n"}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    return {name: tmp_path / name for name in [*files, "missing.jpg"]}
+
+
+def classify(server, env, *args, cwd=None) -> subprocess.CompletedProcess:
+    argv = [*CLI, "classify", *map(str, args), "--url", server.grpc_url]
+    return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def rows(stdout: str) -> dict[str, list[tuple[float, int, str]]]:
+    """The table: {image: [(score, class id, label), ...]}; the header is checked first."""
+    lines = stdout.splitlines()
+    assert lines[0].split() == ["image", "score", "class", "id", "label"], stdout
+    table, image = {}, None
+    for line in lines[1:]:
+        if not line.startswith(" "):
+            image, line = line.split(maxsplit=1)[0], line[len(line.split(maxsplit=1)[0]) :]
+        score, class_id, label = line.split(maxsplit=2)
+        table.setdefault(image, []).append((float(score), int(class_id), label))
+    return table
+
+
+@pytest.fixture(scope="module")
+def labels(model_repository) -> list[str]:
+    return read_labels(labels_path(model_repository))
+
+
+def test_classify_prints_a_header_and_each_images_top_k(server, env, images, labels, model_repository):
+    done = classify(server, env, "cat.jpg", "dog.png", cwd=images["cat.jpg"].parent)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    table = rows(done.stdout)
+    assert list(table) == ["cat.jpg", "dog.png"]
+    with ImageClassifier(server.grpc_url) as client:
+        expected = client.classify([images["cat.jpg"].read_bytes(), images["dog.png"].read_bytes()])
+    for got, want in zip(table.values(), expected):
+        assert len(got) == top_k(model_repository)
+        assert [(c, label) for _, c, label in got] == [(p.class_id, p.label) for p in want]
+        assert all(label == labels[c] for _, c, label in got)
+
+
+def test_a_mixed_batch_prints_the_good_images_and_names_each_bad_one(server, env, images):
+    """cat.jpg notes.txt dog.png missing.jpg: both images are classified; one error line per bad file; exit 1."""
+    order = ["cat.jpg", "notes.txt", "dog.png", "missing.jpg"]
+    done = classify(server, env, *order, cwd=images["cat.jpg"].parent)
+    assert done.returncode == 1
+    assert list(rows(done.stdout)) == ["cat.jpg", "dog.png"]
+    errors = done.stderr.splitlines()
+    assert len(errors) == 2 and "Traceback" not in done.stderr, done.stderr
+    assert errors[0].startswith("error: notes.txt: ") and "not a JPEG or PNG image" in errors[0]
+    assert errors[1] == "error: missing.jpg: no such file"
+
+
+def test_a_bad_file_alone_is_one_error_line_and_exit_1(server, env, images):
+    done = classify(server, env, images["notes.txt"])
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr.startswith(f"error: {images['notes.txt']}: ") and len(done.stderr.splitlines()) == 1
+
+
+def test_a_missing_file_alone_is_one_error_line_and_exit_1(server, env, images):
+    done = classify(server, env, images["missing.jpg"])
+    assert (done.returncode, done.stdout, done.stderr) == (1, "", f"error: {images['missing.jpg']}: no such file\n")
+
+
+def test_json_is_one_array_with_predictions_or_an_error_per_image(server, env, images, model_repository):
+    done = classify(server, env, "--json", *images.values())
+    assert done.returncode == 1 and done.stderr == ""
+    answers = json.loads(done.stdout)
+    assert [a["image"] for a in answers] == [str(p) for p in images.values()]
+    good, bad = answers[:2], answers[2:]
+    assert all(len(a["predictions"]) == top_k(model_repository) and "error" not in a for a in good)
+    assert set(good[0]["predictions"][0]) == {"score", "class_id", "label"}
+    assert "not a JPEG or PNG image" in bad[0]["error"] and bad[1]["error"] == "no such file"
+
+
+def test_no_server_is_one_line_that_says_how_to_start_one(env, images):
+    argv = [*CLI, "classify", str(images["cat.jpg"]), "--url", f"localhost:{free_port()}"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("error: no server answers at localhost:") and " serve`" in done.stderr
+
+
+@local_server_only
+def test_shared_memory_without_a_key_names_the_variable_and_the_key_file(server, env, images):
+    done = classify(server, env, images["cat.jpg"], "--shared-memory", "system")
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert "set TRITON_ADMIN_KEY" in done.stderr and str(admin_key.key_file()) not in done.stderr
+    assert str(Path(env["XDG_CONFIG_HOME"]) / "{{ cookiecutter.project_slug }}" / "admin-key") in done.stderr
+    assert "admin_key=" not in done.stderr, "a Python argument means nothing on the command line"
+
+
+@local_server_only
+def test_a_wrong_key_is_rejected_by_name(server, env, images):
+    done = classify(server, {**env, admin_key.ENV: "wrong"}, images["cat.jpg"], "--shared-memory", "system")
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("error: admin key rejected: ") and "from TRITON_ADMIN_KEY" in done.stderr
+
+
+@local_server_only
+def test_the_key_file_is_read_when_no_key_is_given(server, env, images):
+    key_file = Path(env["XDG_CONFIG_HOME"]) / "{{ cookiecutter.project_slug }}" / "admin-key"
+    key_file.parent.mkdir()
+    key_file.write_text("wrong\n")
+    done = classify(server, env, images["cat.jpg"], "--shared-memory", "system")
+    assert done.returncode == 2 and f"from {key_file}" in done.stderr, done.stderr
+    key_file.write_text(server.settings.admin_key + "\n")
+    done = classify(server, env, images["cat.jpg"], "--shared-memory", "system")
+    assert done.returncode == 0, done.stderr
+    assert list(rows(done.stdout)) == [str(images["cat.jpg"])]
+
+
+def test_serve_keeps_one_key_per_user_in_a_private_file_until_rotated(tmp_path, monkeypatch):
+    monkeypatch.delenv(admin_key.ENV, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    key, where = admin_key.for_serve()
+    path = tmp_path / "{{ cookiecutter.project_slug }}" / "admin-key"
+    assert where == str(path) and path.read_text() == key + "\n" and len(key) >= 32
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert admin_key.for_serve() == (key, where), "a restart keeps the key"
+    assert admin_key.find() == (key, where), "a same-host client finds it"
+    rotated, _ = admin_key.for_serve(rotate=True)
+    assert rotated != key and admin_key.find()[0] == rotated and path.stat().st_mode & 0o777 == 0o600
+    monkeypatch.setenv(admin_key.ENV, "from-the-environment")
+    assert admin_key.for_serve() == ("from-the-environment", admin_key.ENV) == admin_key.find()
+    assert path.read_text() == rotated + "\n", "TRITON_ADMIN_KEY wins and leaves the file alone"
+
+
+CPU_HOST_LOG = """\
+W1201 07:49:24.926676 20300 pinned_memory_manager.cc:273] "Unable to allocate pinned system memory, pinned memory \
+pool will not be available: CUDA driver version is insufficient for CUDA runtime version"
+E1201 07:49:24.926816 20300 server.cc:241] "CudaDriverHelper has not been initialized."
+I1201 07:49:24.927943 20300 model_lifecycle.cc:472] "loading: resnet:1"
+I1201 07:49:24.927944 20300 model_lifecycle.cc:472] "loading: resnet:2"
+E1201 07:49:50.107123 20300 ensemble_scheduler.cc:1468] "unable to create stream for ensemble: CUDA driver version \
+is insufficient for CUDA runtime version"
+I1201 07:49:50.106598 20300 model_lifecycle.cc:839] "successfully loaded 'resnet'"
+E1201 07:49:50.107300 20300 model_lifecycle.cc:642] "failed to load 'pipeline' version 1: Internal: boom"
+Error: Failed to initialize NVML
+W1201 07:49:50.108245 20300 metrics.cc:798] "DCGM unable to start: DCGM initialization error"
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_the_log_goes_to_its_file_and_the_terminal_sees_progress_and_errors(tmp_path, capsys, verbose):
+    """What `serve` shows of tritonserver's output on a host without a GPU: every line into the file; on the
+    terminal each model once as loading and as loaded, real errors, and (--verbose) the rest, less the harmless
+    CUDA/NVML/DCGM lines, which one note explains."""
+    import io
+
+    from {{ cookiecutter.package_name }}.console import LogPump
+
+    log = tmp_path / "triton.log"
+    pump = LogPump(io.BytesIO(CPU_HOST_LOG.encode()), log, gpus=[], verbose=verbose, started=time.monotonic())
+    pump.run()
+    assert log.read_text() == CPU_HOST_LOG
+    shown = capsys.readouterr().out
+    assert "boom" in shown and not any(text in shown for text in HARMLESS_WITHOUT_GPU)
+    if verbose:
+        assert shown.count("no GPU: Triton's lines about CUDA, NVML and DCGM are harmless here") == 1
+        assert shown.count("\n") == 1 + 4  # the note, the two loading lines, loaded, failed
+    else:
+        lines = shown.splitlines()
+        assert lines[0] == "  loading  resnet" and lines[1].startswith("  loaded   resnet ") and lines[1][-2:] == " s"
+        assert len(lines) == 3 and lines[2].startswith("  tritonserver: E1201 ") and "to load 'pipeline'" in lines[2]
+
+
+@local_server_only
+def test_serve_shows_progress_keeps_the_log_in_a_file_and_says_when_it_stopped(model_repository, env, tmp_path):
+    """A real `serve` start and Ctrl-C: the log file first, each model loading and loaded, `ready in`, the key
+    file; Triton's own lines (on a CPU host: its alarming CUDA/NVML ones) only in the file; `stopped in` last."""
+    log = tmp_path / "triton.log"
+    ports = [str(free_port()) for _ in range(3)]
+    argv = [*CLI, "serve", "--model-repository", str(model_repository), "--log-file", str(log)]
+    argv += ["--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2], "--watchdog-interval", "0"]
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            lines.append(line.rstrip("\n"))
+            if line.startswith("admin key: "):
+                break
+        assert lines[0] == f"tritonserver log: {log}  (--verbose shows it here)", lines
+        assert any(line.startswith("ready in ") and f"gRPC localhost:{ports[1]}" in line for line in lines), lines
+        for model in ("preprocess", "resnet", "postprocess", "pipeline"):
+            assert f"  loading  {model}" in lines and any(line.startswith(f"  loaded   {model} ") for line in lines)
+        key_file = Path(env["XDG_CONFIG_HOME"]) / "{{ cookiecutter.project_slug }}" / "admin-key"
+        assert lines[-1].startswith(f"admin key: in {key_file} ") and key_file.stat().st_mode & 0o777 == 0o600
+        with ImageClassifier(f"localhost:{ports[1]}", shared_memory="system", admin_key=key_file.read_text().strip()):
+            pass  # the server takes the key from the file
+    finally:
+        # SIGTERM (docker stop) takes serve's Ctrl-C path; a SIGINT is ignored where the tests run as a background job
+        process.send_signal(signal.SIGTERM)
+        rest, _ = process.communicate(timeout=300)
+    lines += rest.splitlines()
+    assert process.returncode == 0, lines
+    assert "stopping (in-flight requests finish first)..." in lines and lines[-1].startswith("stopped in ")
+    logged = log.read_text()
+    assert logged.startswith("# tritonserver log, started ") and "successfully loaded 'pipeline'" in logged
+    assert not any(text in "\n".join(lines) for text in HARMLESS_WITHOUT_GPU)
+    if not visible_gpus():
+        assert "CUDA driver version is insufficient" in logged, "the CPU host's CUDA lines are kept in the file"
+    assert len(lines) < 30, "a short view: " + "\n".join(lines)
