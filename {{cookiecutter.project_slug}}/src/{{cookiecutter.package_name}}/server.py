@@ -1,8 +1,8 @@
 """Start the real Triton server, locally (the embedded default) or in the container, with one set of flags.
 
-Locally the server is `tritonserver` {{ cookiecutter.__triton_server_version }} from the `nvidia-pytriton` wheel: no Docker,
-no GPU needed. In the container it is the image's own /opt/tritonserver. Both get their flags from
-`server_flags()`, so what the tests exercise is what `docker compose up` deploys.
+Locally and in the default image the server is `tritonserver` {{ cookiecutter.__triton_server_version }} from the `nvidia-pytriton` wheel:
+no Docker, no GPU needed. In the NGC-based image (docker/ngc.Dockerfile) it is that image's own /opt/tritonserver.
+All get their flags from `server_flags()`, so what the tests exercise is what `docker compose up` deploys.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 TRITON_RELEASE = "{{ cookiecutter.triton_version }}"
 MAX_BATCH_SIZE = {{ cookiecutter.max_batch_size }}
-CONTAINER_TRITONSERVER = Path("/opt/tritonserver")
+CONTAINER_TRITONSERVER = Path("/opt/tritonserver")  # the NGC image's server
 MiB = 1 << 20
 # Admin APIs that need the key; health, metadata and inference stay open. Clients send it as the header
 # `admin-key` over HTTP and `triton-grpc-protocol-admin-key` over gRPC.
@@ -265,7 +265,10 @@ def _terminate_with_parent() -> None:
 
 
 class TritonServer:
-    """A tritonserver process: start, wait until ready, stop. Usable as a context manager."""
+    """A tritonserver process: start, wait until ready, stop. Usable as a context manager.
+
+    `container`: in a container, run the image's /opt/tritonserver where it has one (the NGC image); otherwise,
+    as in the default image and locally, the nvidia-pytriton wheel's (or $TRITONSERVER_HOME's)."""
 
     def __init__(self, settings: ServerSettings | None = None, container: bool | None = None, log=None):
         self.settings = settings or ServerSettings()
@@ -274,7 +277,7 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
 
     def command(self) -> tuple[list[str], dict[str, str]]:
-        if self.container:
+        if self.container and CONTAINER_TRITONSERVER.is_dir():
             binary, backends, env = CONTAINER_TRITONSERVER / "bin" / "tritonserver", None, dict(os.environ)
         else:
             (binary, backends), env = local_tritonserver(), local_environment()
