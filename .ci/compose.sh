@@ -30,6 +30,10 @@ package="$("$python" -c 'import json; print(json.load(open(".cookiecutter.json")
 grpc_port="$("$python" -c 'import json; print(json.load(open(".cookiecutter.json"))["cookiecutter"]["grpc_port"])')"
 PYTHONPATH=src "$python" -m "$package.cli" weights random
 
+# This machine's sandbox cannot raise RLIMIT_MEMLOCK (no CAP_SYS_RESOURCE, hard limit 8 MiB), so the compose
+# file's `memlock: -1` would stop the container from starting: TRITON_MEMLOCK gives it the hard limit instead.
+hard="$(ulimit -H -l)"
+[[ "$hard" == unlimited ]] || export TRITON_MEMLOCK=$((hard * 1024))
 compose=(docker compose -f docker-compose.yml -f docker-compose.cpu.yml --profile tests)
 finish() {
   local status=$?
