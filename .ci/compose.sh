@@ -14,7 +14,7 @@ step() {  # step NAME COMMAND...: run it, print how long it took
   echo "::: $name"
   "$@"
   echo "::: $name: $((SECONDS - started)) s"
-  timings+=("$(printf '%-34s %5d s' "$name" $((SECONDS - started)))")
+  timings+=("$(printf '%-40s %5d s' "$name" $((SECONDS - started)))")
 }
 timings=()
 
@@ -48,7 +48,7 @@ finish() {
 trap finish EXIT
 
 step "docker compose build" "${compose[@]}" build
-step "docker compose up -d --wait (CPU)" "${compose[@]}" up -d --wait --wait-timeout 900 triton
+step "docker compose up -d --wait (CPU)" "${compose[@]}" up -d --wait --wait-timeout 600 triton
 step "tests service: e2e suite over gRPC" "${compose[@]}" run --rm tests
 step "docker compose stop, requests in flight" \
   env PYTHONPATH=src "$python" "$template/.ci/stop_in_flight.py" "localhost:$grpc_port" "${compose[@]}"

@@ -290,6 +290,28 @@ for container in (True, False):
     assert binaries(tmp_path / "ngc") == [str(tmp_path / "ngc" / "bin" / "tritonserver"), wheel]
 
 
+def test_a_server_or_stub_missing_a_library_fails_at_once(project, tmp_path):
+    """Triton 2.51 waits for a stub that cannot load its libraries until `serve --timeout`; local_tritonserver()
+    (run at image build time too) checks them with ldd first."""
+    path, answers = project
+    script = f"""
+import os
+import {answers["package_name"]}.server as server
+binary, backends = server.local_tritonserver()
+stub = backends / "python" / "triton_python_backend_stub"
+bare = {{k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}}
+print(server.missing_libraries(binary, stub, env=server.local_environment()))
+print(" ".join(server.missing_libraries(stub, env=bare)))
+"""
+    env = {**os.environ, "PYTHONPATH": str(path / "src"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    with_env, without = result.stdout.splitlines()
+    assert with_env == "[]"
+    # The stub's copy finds the wheel's CUDA runtime only through the environment serve gives it.
+    assert re.fullmatch(r"libcudart-\w+\.so\.12[.\d]*", without), without
+
+
 def test_container_command_is_the_cli_serve(project):
     path, answers = project
     slug, package = answers["project_slug"], answers["package_name"]

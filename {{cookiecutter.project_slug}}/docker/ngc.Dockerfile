@@ -26,9 +26,9 @@ ENV HOME=/home/triton-server
 
 ARG WEIGHTS_IN_IMAGE=true
 COPY model_repository/ model_repository/
-RUN if [ "$WEIGHTS_IN_IMAGE" = true ] && [ ! -f model_repository/resnet/1/weights.pt ]; then \
-      echo "model_repository/resnet/1/weights.pt is missing: run 'make weights-random' (offline)" \
-           "or 'make weights-pretrained' before building the image" >&2; \
+RUN if [ "$WEIGHTS_IN_IMAGE" = true ] && [ ! -r model_repository/resnet/1/weights.pt ]; then \
+      echo "model_repository/resnet/1/weights.pt is missing (or not readable by $(id -un)): run" \
+           "'make weights-random' (offline) or 'make weights-pretrained' before building the image" >&2; \
       exit 1; \
     fi
 

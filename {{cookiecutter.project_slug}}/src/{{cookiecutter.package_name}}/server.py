@@ -221,7 +221,23 @@ def local_tritonserver() -> tuple[Path, Path]:
             staging.rename(backends)
         except OSError:  # another process won the race: use theirs
             shutil.rmtree(staging, ignore_errors=True)
-    return home / "bin" / "tritonserver", backends
+    binary = home / "bin" / "tritonserver"
+    # A stub that cannot load its libraries makes Triton 2.51 wait for it until `serve --timeout`: say so now.
+    missing = missing_libraries(binary, backends / "python" / stub.name, env=local_environment())
+    if missing:
+        raise RuntimeError(
+            f"the local Triton cannot start, shared libraries not found: {', '.join(missing)} (the Python-backend "
+            f"stub needs libpython{python}.so of this interpreter: a Python built with --enable-shared)"
+        )
+    return binary, backends
+
+
+def missing_libraries(*programs: Path, env: dict[str, str]) -> list[str]:
+    """The shared libraries `ldd` cannot find for these programs ([] where there is no ldd)."""
+    if shutil.which("ldd") is None:
+        return []
+    result = subprocess.run(["ldd", *map(str, programs)], env=env, capture_output=True, text=True, timeout=60)
+    return sorted({line.split("=>")[0].strip() for line in result.stdout.splitlines() if "not found" in line})
 
 
 def _libpython_dir() -> list[str]:
