@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -38,10 +39,12 @@ def seconds(duration: str) -> float:
 def main(url: str, compose: list[str]) -> int:
     from importlib import import_module
 
-    package = json.loads(open(".cookiecutter.json").read())["cookiecutter"]["package_name"]
+    package = json.loads(Path(".cookiecutter.json").read_text())["cookiecutter"]["package_name"]
     ImageClassifier = import_module(f"{package}.client").ImageClassifier
 
-    config = json.loads(subprocess.run([*compose, "config", "--format", "json"], check=True, capture_output=True).stdout)
+    config = json.loads(
+        subprocess.run([*compose, "config", "--format", "json"], check=True, capture_output=True).stdout
+    )
     grace = seconds(config["services"]["triton"]["stop_grace_period"])
     images = [jpeg(i) for i in range(IMAGES_PER_REQUEST)]
     done: list[float] = []
@@ -64,7 +67,9 @@ def main(url: str, compose: list[str]) -> int:
     print(f"flight when it began, and all {REQUESTS} were answered ({IMAGES_PER_REQUEST} images each)")
     state = subprocess.run(
         ["docker", "inspect", "--format", "{{.State.ExitCode}}", *container_ids(compose)],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.split()
     print(f"triton container exit code: {' '.join(state)}")
     assert answered == [IMAGES_PER_REQUEST] * REQUESTS

@@ -255,7 +255,9 @@ def test_image_runs_as_a_non_root_user_with_its_weights_inside(project):
         assert "USER triton-server" in runtime and "ENV HOME=/home/triton-server" in runtime
         assert any("useradd --uid 1000" in i for i in runtime), name
         assert "COPY model_repository/ model_repository/" in runtime
-        assert any("model_repository/resnet/1/weights.pt" in i and "exit 1" in i for i in runtime if i.startswith("RUN"))
+        assert any(
+            "model_repository/resnet/1/weights.pt" in i and "exit 1" in i for i in runtime if i.startswith("RUN")
+        )
     lines = (path / ".dockerignore").read_text().splitlines()
     ignored = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     assert ".venv" in ignored and not any(
@@ -304,7 +306,8 @@ print(server.missing_libraries(binary, stub, env=server.local_environment()))
 print(" ".join(server.missing_libraries(stub, env=bare)))
 """
     env = {**os.environ, "PYTHONPATH": str(path / "src"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, "-c", script]
+    result = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     with_env, without = result.stdout.splitlines()
     assert with_env == "[]"
