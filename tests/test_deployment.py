@@ -141,11 +141,16 @@ def flag(flags: list[str], name: str) -> str:
     return value
 
 
-def dockerfile_stages(project: Path) -> dict[str, list[str]]:
-    """Stage name -> its instructions (continuation lines joined), in order."""
-    text = re.sub(r"\\\n", " ", (project / "Dockerfile").read_text())
-    stages: dict[str, list[str]] = {}
-    current = None
+DOCKERFILES = {"Dockerfile": ("runtime", "tests"), "docker/ngc.Dockerfile": ("ngc", "ngc-tests")}
+CONSTRAINTS = {"Dockerfile": "docker/constraints.txt", "docker/ngc.Dockerfile": "docker/constraints-ngc.txt"}
+
+
+def dockerfile_stages(project: Path, name: str = "Dockerfile") -> dict[str, list[str]]:
+    """Stage name -> its instructions (continuation lines joined), in order. The global ARGs before the first
+    FROM are under the key ""."""
+    text = re.sub(r"\\\n", " ", (project / name).read_text())
+    stages: dict[str, list[str]] = {"": []}
+    current = ""
     for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
@@ -157,42 +162,101 @@ def dockerfile_stages(project: Path) -> dict[str, list[str]]:
     return stages
 
 
+def global_args(project: Path, name: str) -> dict[str, str]:
+    """The ARGs (with their defaults) a Dockerfile declares before its first FROM."""
+    return dict(line.split(None, 1)[1].split("=", 1) for line in dockerfile_stages(project, name)[""])
+
+
+def pins(project: Path, name: str) -> list[str]:
+    return [line for line in (project / name).read_text().splitlines() if line and not line.startswith("#")]
+
+
 # --- the tests -----------------------------------------------------------------------------------------------
 
 
 def test_compose_files_validate_against_the_compose_spec(project, tmp_path):
     path, _ = project
     check_jsonschema("compose-spec", path / "docker-compose.yml", tmp_path)
-    for files in (["docker-compose.yml"], ["docker-compose.yml", "docker-compose.cpu.yml"]):
+    for files in (
+        ["docker-compose.yml"],
+        ["docker-compose.yml", "docker-compose.cpu.yml"],
+        ["docker-compose.yml", "docker-compose.ngc.yml"],
+        ["docker-compose.yml", "docker-compose.ngc.yml", "docker-compose.cpu.yml"],
+    ):
         check_jsonschema("compose-spec", compose(path, *files, env={}), tmp_path)
         check_jsonschema("compose-spec", compose(path, *files, env={"TRITON_GPU_COUNT": "all"}), tmp_path)
 
 
-def test_base_image_is_the_chosen_triton_release(project):
-    path, answers = project
-    stages = dockerfile_stages(path)
-    assert list(stages) == ["runtime", "tests"]
-    assert stages["runtime"][0] == f"FROM nvcr.io/nvidia/tritonserver:{answers['triton_version']}-py3 AS runtime"
-    assert stages["tests"][0] == "FROM runtime AS tests"
-
-
-def test_image_pins_torch_for_the_container_and_numpy_below_2(project):
+def test_default_image_builds_from_a_plain_python_base_with_the_local_runtime(project):
     path, _ = project
-    pins = [line for line in (path / "docker" / "constraints.txt").read_text().splitlines() if not line.startswith("#")]
-    assert pins == ["torch==2.5.1", "torchvision==0.20.1", "numpy<2"]
-    runtime = " ".join(dockerfile_stages(path)["runtime"])
-    assert "--constraint /tmp/constraints.txt torch torchvision" in runtime
-    assert "--constraint /tmp/constraints.txt ." in runtime  # the package itself cannot pull other versions
+    assert global_args(path, "Dockerfile") == {"BASE_IMAGE": "python:3.11-slim-bookworm"}
+    stages = dockerfile_stages(path)
+    assert list(stages) == ["", "runtime", "tests"]
+    assert stages["runtime"][0] == "FROM ${BASE_IMAGE} AS runtime"
+    assert stages["tests"][0] == "FROM runtime AS tests"
+    # The package with its `local` extra: the nvidia-pytriton wheel's tritonserver, as `serve` runs it locally.
+    runtime = " ".join(stages["runtime"])
+    assert '--constraint /tmp/constraints.txt ".[local]"' in runtime
+    assert "/opt/tritonserver" not in runtime
+    # The wheel's Python-backend stub is put in place at build time, as the image's user.
+    warm = next(i for i in stages["runtime"] if "local_tritonserver()" in i)
+    assert stages["runtime"].index(warm) > stages["runtime"].index("USER triton-server")
+
+
+def test_ngc_image_is_the_chosen_triton_release(project):
+    path, answers = project
+    ngc = f"nvcr.io/nvidia/tritonserver:{answers['triton_version']}-py3"
+    assert global_args(path, "docker/ngc.Dockerfile") == {"NGC_IMAGE": ngc}
+    stages = dockerfile_stages(path, "docker/ngc.Dockerfile")
+    assert list(stages) == ["", "ngc", "ngc-tests"]
+    assert stages["ngc"][0] == "FROM ${NGC_IMAGE} AS ngc"
+    assert stages["ngc-tests"][0] == "FROM ngc AS ngc-tests"
+    server_py = next((path / "src").glob("*/server.py")).read_text()
+    assert 'CONTAINER_TRITONSERVER = Path("/opt/tritonserver")' in server_py
+
+
+def test_images_pin_torch_and_the_runtime_and_numpy_below_2(project):
+    path, _ = project
+    local = re.search(r'local = \["(nvidia-pytriton==[^"]+)"\]', (path / "pyproject.toml").read_text())[1]
+    assert pins(path, "docker/constraints.txt") == ["torch==2.14.1", "torchvision==0.29.1", "numpy<2", local]
+    assert pins(path, "docker/constraints-ngc.txt") == ["torch==2.5.1", "torchvision==0.20.1", "numpy<2"]
+    for name, (serving, _) in DOCKERFILES.items():
+        instructions = dockerfile_stages(path, name)[serving]
+        assert f"COPY {CONSTRAINTS[name]} /tmp/constraints.txt" in instructions
+        runs = [i for i in instructions if i.startswith("RUN") and "pip install" in i]
+        # The heavy dependencies first, then the package, which cannot pull other versions.
+        assert "--constraint /tmp/constraints.txt torch torchvision" in runs[0], name
+        assert re.search(r'--constraint /tmp/constraints.txt "?\.(\[local\])?"? ', runs[1]), name
+        assert instructions.index(runs[0]) < instructions.index("COPY src/ src/"), name
+
+
+def test_images_cache_pip_downloads_and_order_layers_for_reuse(project):
+    path, _ = project
+    for name, stage_names in DOCKERFILES.items():
+        stages = dockerfile_stages(path, name)
+        for stage in stage_names:
+            for run in (i for i in stages[stage] if "pip install" in i):
+                assert run.startswith("RUN --mount=type=cache,target=/root/.cache/pip "), (name, run)
+                assert "--no-cache-dir" not in run
+        order = [i.split()[0] + " " + i.split()[1] for i in stages[stage_names[0]]]
+        # dependencies, then code, then the model repository (changes most often, smallest layer)
+        assert order.index("COPY pyproject.toml") < order.index("COPY src/") < order.index("COPY model_repository/")
 
 
 def test_image_runs_as_a_non_root_user_with_its_weights_inside(project):
     path, _ = project
-    for name, instructions in dockerfile_stages(path).items():
-        users = [i.split()[1] for i in instructions if i.startswith("USER ")]
-        assert users and users[-1] not in ("root", "0"), f"stage {name} ends as root"
-    runtime = dockerfile_stages(path)["runtime"]
-    assert "COPY model_repository/ model_repository/" in runtime
-    assert any("model_repository/resnet/1/weights.pt" in i and "exit 1" in i for i in runtime if i.startswith("RUN"))
+    for name, (serving, _) in DOCKERFILES.items():
+        stages = {k: v for k, v in dockerfile_stages(path, name).items() if k}
+        for stage, instructions in stages.items():
+            users = [i.split()[1] for i in instructions if i.startswith("USER ")]
+            assert users and users[-1] not in ("root", "0"), f"{name}: stage {stage} ends as root"
+        runtime = stages[serving]
+        assert "USER triton-server" in runtime and "ENV HOME=/home/triton-server" in runtime
+        assert any("useradd --uid 1000" in i for i in runtime), name
+        assert "COPY model_repository/ model_repository/" in runtime
+        assert any(
+            "model_repository/resnet/1/weights.pt" in i and "exit 1" in i for i in runtime if i.startswith("RUN")
+        )
     lines = (path / ".dockerignore").read_text().splitlines()
     ignored = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     assert ".venv" in ignored and not any(
@@ -200,13 +264,64 @@ def test_image_runs_as_a_non_root_user_with_its_weights_inside(project):
     )
 
 
+def test_container_mode_runs_the_ngc_server_only_where_the_image_has_one(project, tmp_path):
+    """`serve --container`: the wheel's tritonserver in the default image, /opt/tritonserver in the NGC image."""
+    path, answers = project
+    package = answers["package_name"]
+    script = f"""
+import sys
+from pathlib import Path
+import {package}.server as server
+server.CONTAINER_TRITONSERVER = Path(sys.argv[1])
+settings = server.ServerSettings(gpus=[])
+for container in (True, False):
+    print(server.TritonServer(settings, container=container).command()[0][0])
+"""
+    env = {**os.environ, "PYTHONPATH": str(path / "src"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+    def binaries(ngc_home: Path) -> list[str]:
+        cmd = [sys.executable, "-c", script, str(ngc_home)]
+        result = subprocess.run(cmd, cwd=path, env=env, capture_output=True, text=True, timeout=120, check=False)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.split()
+
+    wheel = str(Path(__import__("pytriton").__file__).parent / "tritonserver" / "bin" / "tritonserver")
+    assert binaries(tmp_path / "no-such-dir") == [wheel, wheel]  # the default image: no /opt/tritonserver
+    (tmp_path / "ngc").mkdir()
+    assert binaries(tmp_path / "ngc") == [str(tmp_path / "ngc" / "bin" / "tritonserver"), wheel]
+
+
+def test_a_server_or_stub_missing_a_library_fails_at_once(project, tmp_path):
+    """Triton 2.51 waits for a stub that cannot load its libraries until `serve --timeout`; local_tritonserver()
+    (run at image build time too) checks them with ldd first."""
+    path, answers = project
+    script = f"""
+import os
+import {answers["package_name"]}.server as server
+binary, backends = server.local_tritonserver()
+stub = backends / "python" / "triton_python_backend_stub"
+bare = {{k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}}
+print(server.missing_libraries(binary, stub, env=server.local_environment()))
+print(" ".join(server.missing_libraries(stub, env=bare)))
+"""
+    env = {**os.environ, "PYTHONPATH": str(path / "src"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-c", script]
+    result = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    with_env, without = result.stdout.splitlines()
+    assert with_env == "[]"
+    # The stub's copy finds the wheel's CUDA runtime only through the environment serve gives it.
+    assert re.fullmatch(r"libcudart-\w+\.so\.12[.\d]*", without), without
+
+
 def test_container_command_is_the_cli_serve(project):
     path, answers = project
     slug, package = answers["project_slug"], answers["package_name"]
     command = [slug, "serve", "--container"]
     assert compose(path, env={})["services"]["triton"]["command"] == command
-    cmd = [i for i in dockerfile_stages(path)["runtime"] if i.startswith("CMD")]
-    assert cmd == [f"CMD {json.dumps(command)}"]
+    for name, (serving, _) in DOCKERFILES.items():
+        cmd = [i for i in dockerfile_stages(path, name)[serving] if i.startswith("CMD")]
+        assert cmd == [f"CMD {json.dumps(command)}"], name
     assert f'{slug} = "{package}.cli:main"' in (path / "pyproject.toml").read_text()
 
 
@@ -260,8 +375,9 @@ def test_ports_publish_the_served_ports_on_loopback_by_default(project, tmp_path
         f"0.0.0.0:18001:{served['grpc']}",
         f"0.0.0.0:{served['metrics']}:{served['metrics']}",
     ]
-    expose = next(i for i in dockerfile_stages(path)["runtime"] if i.startswith("EXPOSE"))
-    assert expose.split()[1:] == list(served.values())
+    for name, (serving, _) in DOCKERFILES.items():
+        expose = next(i for i in dockerfile_stages(path, name)[serving] if i.startswith("EXPOSE"))
+        assert expose.split()[1:] == list(served.values()), name
 
 
 def test_healthcheck_runs_a_real_inference_on_the_served_grpc_port(project, tmp_path):
@@ -281,7 +397,10 @@ def test_triton_service_has_gpu_shm_ulimits_init_and_restart(project):
     all_gpus = compose(path, env={"TRITON_GPU_COUNT": "all"})["services"]["triton"]
     assert all_gpus["deploy"]["resources"]["reservations"]["devices"][0]["count"] == "all"
     assert size_bytes(triton["shm_size"]) >= 1 << 30
-    assert triton["ulimits"] == {"memlock": -1, "stack": 67108864}
+    assert triton["ulimits"] == {"memlock": "-1", "stack": 67108864}
+    # A host that cannot raise memlock (rootless Docker, a sandbox without CAP_SYS_RESOURCE) sets its limit.
+    limited = compose(path, env={"TRITON_MEMLOCK": "8388608"})["services"]["triton"]
+    assert limited["ulimits"]["memlock"] == "8388608"
     assert triton["init"] is True
     assert triton["restart"] in ("always", "unless-stopped")
 
@@ -299,6 +418,24 @@ def test_cpu_variant_drops_the_gpu_and_changes_nothing_else(project, tmp_path):
     # Its environment hides the GPUs from server_flags() too, even where nvidia-smi would list one.
     flags = server_flags(path, tmp_path, gpus=1, env=cpu["environment"])
     assert not any(f.startswith("--cuda-memory-pool-byte-size") for f in flags)
+
+
+def test_ngc_variant_swaps_only_the_image(project):
+    path, answers = project
+    slug = answers["project_slug"]
+    default = compose(path, env={})["services"]
+    ngc = compose(path, "docker-compose.yml", "docker-compose.ngc.yml", env={})["services"]
+    assert ngc["triton"]["build"] == {"context": ".", "dockerfile": "docker/ngc.Dockerfile", "target": "ngc"}
+    assert ngc["tests"]["build"] == {"context": ".", "dockerfile": "docker/ngc.Dockerfile", "target": "ngc-tests"}
+    assert (ngc["triton"]["image"], ngc["tests"]["image"]) == (f"{slug}:ngc", f"{slug}-tests:ngc")
+    stages = dockerfile_stages(path, "docker/ngc.Dockerfile")
+    assert {ngc[s]["build"]["target"] for s in ("triton", "tests")} == set(stages) - {""}
+    for service in ("triton", "tests"):
+        unchanged = ("build", "image")
+        assert {k: v for k, v in ngc[service].items() if k not in unchanged} == {
+            k: v for k, v in default[service].items() if k not in unchanged
+        }
+    assert default["triton"]["build"] == {"context": ".", "target": "runtime"}  # the default: ./Dockerfile
 
 
 def test_tests_service_runs_the_e2e_suite_against_the_triton_service(project, tmp_path):
@@ -324,6 +461,7 @@ def test_workflow_validates_and_runs_lint_and_the_cpu_tests(project, tmp_path):
     assert "pre-commit run --all-files" in steps["lint"]
     assert "make test" in steps["test"]
     assert "docker-compose.cpu.yml config" in steps["compose"]
+    assert "docker-compose.ngc.yml config" in steps["compose"]
     assert "${{ github.workflow }}" in workflow.read_text()  # GitHub's expressions survive Jinja
 
 
@@ -387,7 +525,9 @@ def test_makefile_has_the_deployment_targets(project, tmp_path):
 
 def test_compose_e2e_scripts_are_executable_shell(project):
     path, _ = project
-    for script in (path / "scripts" / "compose_e2e.sh", TEMPLATE / "scripts" / "compose_e2e.sh"):
+    ci = sorted((TEMPLATE / ".ci").glob("*.sh"))
+    assert [p.name for p in ci] == ["base_image.sh", "compose.sh", "docker.sh"]
+    for script in (path / "scripts" / "compose_e2e.sh", TEMPLATE / "scripts" / "compose_e2e.sh", *ci):
         assert script.stat().st_mode & stat.S_IXUSR, f"{script} is not executable"
         subprocess.run(["bash", "-n", str(script)], check=True)
     text = (path / "scripts" / "compose_e2e.sh").read_text()

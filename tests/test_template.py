@@ -42,6 +42,7 @@ benchmarks/run.py
 benchmarks/soak.py
 benchmarks/shm.py
 docker-compose.cpu.yml
+docker-compose.ngc.yml
 docker-compose.yml
 deploy/kubernetes/base/admin-key.env
 deploy/kubernetes/base/deployment.yaml
@@ -52,7 +53,9 @@ deploy/kubernetes/base/services.yaml
 deploy/kubernetes/cpu/kustomization.yaml
 deploy/kubernetes/monitoring/prometheus-adapter-values.yaml
 deploy/kubernetes/monitoring/servicemonitor.yaml
+docker/constraints-ngc.txt
 docker/constraints.txt
+docker/ngc.Dockerfile
 docs/customizing.md
 docs/deployment.md
 docs/kubernetes.md

@@ -313,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         "--container",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="use /opt/tritonserver (default: when it exists) instead of the nvidia-pytriton wheel",
+        help="in a container: listen on every interface and use the image's /opt/tritonserver where it has one "
+        "(the NGC image), else the nvidia-pytriton wheel's (default: when /opt/tritonserver exists)",
     )
     p.add_argument("--address", help="listen address (default: 127.0.0.1 locally, 0.0.0.0 in the container)")
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait for the models to load")

@@ -1,8 +1,8 @@
 """Start the real Triton server, locally (the embedded default) or in the container, with one set of flags.
 
-Locally the server is `tritonserver` {{ cookiecutter.__triton_server_version }} from the `nvidia-pytriton` wheel: no Docker,
-no GPU needed. In the container it is the image's own /opt/tritonserver. Both get their flags from
-`server_flags()`, so what the tests exercise is what `docker compose up` deploys.
+Locally and in the default image the server is `tritonserver` {{ cookiecutter.__triton_server_version }} from the `nvidia-pytriton` wheel:
+no Docker, no GPU needed. In the NGC-based image (docker/ngc.Dockerfile) it is that image's own /opt/tritonserver.
+All get their flags from `server_flags()`, so what the tests exercise is what `docker compose up` deploys.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MAX_BATCH_SIZE = {{ cookiecutter.max_batch_size }}
-CONTAINER_TRITONSERVER = Path("/opt/tritonserver")
+CONTAINER_TRITONSERVER = Path("/opt/tritonserver")  # the NGC image's server
 MiB = 1 << 20
 # Admin APIs that need the key; health, metadata and inference stay open. Clients send it as the header
 # `admin-key` over HTTP and `triton-grpc-protocol-admin-key` over gRPC.
@@ -280,7 +280,23 @@ def local_tritonserver() -> tuple[Path, Path]:
             staging.rename(backends)
         except OSError:  # another process won the race: use theirs
             shutil.rmtree(staging, ignore_errors=True)
-    return home / "bin" / "tritonserver", backends
+    binary = home / "bin" / "tritonserver"
+    # A stub that cannot load its libraries makes Triton 2.51 wait for it until `serve --timeout`: say so now.
+    missing = missing_libraries(binary, backends / "python" / stub.name, env=local_environment())
+    if missing:
+        raise RuntimeError(
+            f"the local Triton cannot start, shared libraries not found: {', '.join(missing)} (the Python-backend "
+            f"stub needs libpython{python}.so of this interpreter: a Python built with --enable-shared)"
+        )
+    return binary, backends
+
+
+def missing_libraries(*programs: Path, env: dict[str, str]) -> list[str]:
+    """The shared libraries `ldd` cannot find for these programs ([] where there is no ldd)."""
+    if shutil.which("ldd") is None:
+        return []
+    result = subprocess.run(["ldd", *map(str, programs)], env=env, capture_output=True, text=True, timeout=60)
+    return sorted({line.split("=>")[0].strip() for line in result.stdout.splitlines() if "not found" in line})
 
 
 def _libpython_dir() -> list[str]:
@@ -324,7 +340,10 @@ def _terminate_with_parent() -> None:
 
 
 class TritonServer:
-    """A tritonserver process: start, wait until ready, stop. Usable as a context manager."""
+    """A tritonserver process: start, wait until ready, stop. Usable as a context manager.
+
+    `container`: in a container, run the image's /opt/tritonserver where it has one (the NGC image); otherwise,
+    as in the default image and locally, the nvidia-pytriton wheel's (or $TRITONSERVER_HOME's)."""
 
     def __init__(self, settings: ServerSettings | None = None, container: bool | None = None, log=None):
         self.settings = settings or ServerSettings()
@@ -335,7 +354,7 @@ class TritonServer:
         self.mps_status = "off (not started)"  # one line: on, or why not
 
     def command(self) -> tuple[list[str], dict[str, str]]:
-        if self.container:
+        if self.container and CONTAINER_TRITONSERVER.is_dir():
             binary, backends, env = CONTAINER_TRITONSERVER / "bin" / "tritonserver", None, dict(os.environ)
         else:
             (binary, backends), env = local_tritonserver(), local_environment()
