@@ -304,8 +304,10 @@ class SmallShmServer(TritonServer):
 
 @pytest.fixture(scope="module")
 def small_shm_server(model_repository, tmp_path_factory):
-    """A server whose /dev/shm is 16 MiB and whose stubs' regions start at 1 MiB and grow by 1 MiB."""
-    prefix = private_tmpfs_prefix("16m")
+    """A server whose stubs' regions start at 1 MiB and grow by 1 MiB, in a /dev/shm of 16 MiB beyond those first
+    MiBs (one per stub: 4 at the CPU tests' counts, 14 at the shipped GPU counts)."""
+    stubs = sum(count for count, _ in dev_shm_bytes(model_repository).values())
+    prefix = private_tmpfs_prefix(f"{16 + stubs}m")
     if prefix is None:
         pytest.skip("no private tmpfs here (needs root or unprivileged user namespaces)")
     settings = ServerSettings.on_free_ports(model_repository, shm_default_bytes=MiB, shm_growth_bytes=MiB)
