@@ -3,6 +3,7 @@ admin keys, dead stubs and graceful shutdown. Every loop is bounded in count and
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -324,7 +325,12 @@ def test_dead_stubs_fail_their_requests_and_the_watchdog_heals_each_model(model_
             killed = time.monotonic()
             with ThreadPoolExecutor(4) as pool:
                 caught = [pool.submit(request, i) for i in range(4)]  # sent at once, answered while we probe
-                while probe(url, timeout_s=10) is not None and time.monotonic() - killed < 90:
+                # healed: the watchdog's reload is done (until then the old stubs beside the dead one still serve
+                # some requests) and the pipeline answers
+                reloaded = re.compile(rf"watchdog: reloaded (\w+, )*{model}\b")
+                while time.monotonic() - killed < 90 and not (
+                    any(reloaded.match(line) for line in logs) and probe(url, timeout_s=10) is None
+                ):
                     time.sleep(0.5)
                 healed = time.monotonic() - killed
                 outcomes = [f.result() for f in caught]

@@ -17,6 +17,7 @@ import io
 import json
 import re
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -102,19 +103,23 @@ class StubWatchdog(threading.Thread):
         self.stopped = threading.Event()
         self.models: dict[int, str] = {}  # every stub seen alive: pid -> model
         self.reaped: set[int] = set()  # dead stubs already reloaded for
+        self.zombies: set[int] = set()  # stubs seen exited and unreaped at the last scan
         self.scan()
 
     def scan(self) -> list[str]:
         """Models with a stub that died since it was seen alive (each death counted once)."""
         if self.server_pid is None:
             return []
-        dead = set()
+        dead, zombies = set(), set()
         for pid, model in stub_processes(self.server_pid).items():
             if model is not None:
                 self.models[pid] = model
             elif pid in self.models and pid not in self.reaped:
-                self.reaped.add(pid)
-                dead.add(self.models[pid])
+                zombies.add(pid)
+                if pid in self.zombies:  # still unreaped a scan later: not a stub the server is tearing down
+                    self.reaped.add(pid)
+                    dead.add(self.models[pid])
+        self.zombies = zombies
         return sorted(dead)
 
     def reload(self, models: list[str], why: str) -> list[str]:
@@ -127,8 +132,10 @@ class StubWatchdog(threading.Thread):
         for model in models:
             self.log(f"watchdog: the stub of {model!r} {why}; reloading {', '.join([model, *callers])}")
         if models:
+            started = time.monotonic()
             with grpcclient.InferenceServerClient(self.url) as client, ThreadPoolExecutor(4) as pool:
                 list(pool.map(lambda m: restart(client, m, self.admin_headers), [*models, *callers]))
+            self.log(f"watchdog: reloaded {', '.join([*models, *callers])} in {time.monotonic() - started:.1f} s")
         return models
 
     def check(self, probe_too: bool = True) -> list[str]:
