@@ -1,7 +1,7 @@
 """Benchmark 2: end-to-end throughput and p50/p99 latency over gRPC (JPEG in, top-k out), BLS vs ensemble.
 
     python -m benchmarks.e2e [--precision fp32 fp16] [--concurrency 1 2 4 8 16 32 64] [--images-per-request 1 16]
-                             [--instances preprocess=6 resnet=2] [--mps on off]
+                             [--instances preprocess=6 resnet=2] [--mps on off] [--points 1x1 16x64]
 
 Starts the project's tritonserver (its own flags; random weights unless model_repository has weights.pt; CUDA MPS
 on a GPU as `serve` does, `--mps off` without it, `--mps on off` both, one server after the other),
@@ -154,6 +154,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", default=["pipeline", "ensemble"])
     parser.add_argument("--images-per-request", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument(
+        "--points",
+        nargs="+",
+        default=[],
+        metavar="NxC",
+        help="measure only these (images per request)x(concurrency) pairs, e.g. 1x1 16x64, instead of the grid",
+    )
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument(
         "--instances",
@@ -186,7 +193,14 @@ def main(argv=None) -> dict:
     rows = []
     for precision, mps in [(p, m) for p in args.precision for m in args.mps]:
         rows += measure_server(args, precision, mps, jpegs)
-    results = {
+        results = e2e_results(args, rows)  # written after each server: a run cut short keeps what it measured
+        sizes = sorted({r["images_per_request"] for r in rows})
+        write("e2e", results, rows, COLUMNS, plot_throughput(rows, sizes), args.out)
+    return results
+
+
+def e2e_results(args, rows: list[dict]) -> dict:
+    return {
         "title": "End to end over gRPC (JPEG in, top-k out): BLS pipeline vs ensemble",
         "environment": environment(),
         "notes": [
@@ -200,8 +214,6 @@ def main(argv=None) -> dict:
         ],
         "rows": rows,
     }
-    write("e2e", results, rows, COLUMNS, plot_throughput(rows, args.images_per_request), args.out)
-    return results
 
 
 COLUMNS = [
@@ -237,13 +249,10 @@ def measure_server(args, precision: str | None, mps: str, jpegs: list[bytes]) ->
         label = (precision or "as baked") + "".join(f" {m}x{c}" for m, c in instances.items())
         label += " MPS" if mps_on else " no MPS"
         try:
-            points = [
-                (model, n, c)
-                for model in args.models
-                if (repo / model).is_dir()
-                for n in args.images_per_request
-                for c in args.concurrency
+            pairs = [tuple(map(int, p.split("x"))) for p in args.points] or [
+                (n, c) for n in args.images_per_request for c in args.concurrency
             ]
+            points = [(model, n, c) for model in args.models if (repo / model).is_dir() for n, c in pairs]
             for model, n, c in points:
                 point = measure_point(args, server, model, jpegs, n, c, Path(tmp))
                 row = {
