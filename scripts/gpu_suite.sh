@@ -36,14 +36,18 @@ cd "$here/../.gpu-bake/image-classifier"
 pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || pip install -q --no-deps -e .
 image-classifier weights random >/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+# GPU tests first: should a part run out of time, what matters most has run.
 first=(tests/test_reliability.py tests/test_shared_memory.py)
-rest=()
-for f in tests/test_*.py; do [[ " ${first[*]} " == *" $f "* ]] || rest+=("$f"); done
+rest=(tests/test_gpu.py tests/test_mps.py)
+for f in tests/test_*.py; do [[ " ${first[*]} ${rest[*]} " == *" $f "* ]] || rest+=("$f"); done
+# pytest with Ctrl-C restored (a background job of a script ignores SIGINT): at SUITE_LIMIT_S it stops like a
+# Ctrl-C, stops its servers and still writes its JUnit XML for the tests that ran.
+PYTEST='import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); sys.exit(pytest.main())'
 run_part() {
   local files
   if [[ $1 == 1 ]]; then files=("${first[@]}"); else files=("${rest[@]}"); fi
-  PYTHONUNBUFFERED=1 timeout -s TERM "${SUITE_LIMIT_S:-540}" pytest -v -rs -p no:cacheprovider "${files[@]}" \
-    --junitxml="$out/suite-$1.xml" >"$out/suite-$1.log" 2>&1
+  PYTHONUNBUFFERED=1 timeout -s INT -k 60 "${SUITE_LIMIT_S:-480}" python3 -c "$PYTEST" -v -rs -p no:cacheprovider \
+    "${files[@]}" --junitxml="$out/suite-$1.xml" >"$out/suite-$1.log" 2>&1
   echo "part $1: $(tail -n 1 "$out/suite-$1.log")"
 }
 for part in "${parts[@]}"; do run_part "$part" & done
