@@ -21,15 +21,10 @@ import tritonclient.grpc as grpcclient
 from conftest import EXTERNAL_GRPC_URL, image_input, infer, make_image
 from tritonclient.utils import InferenceServerException
 
-from {{ cookiecutter.package_name }}.client import (
-    ADMIN_KEY_HEADER,
-    REGION_PREFIX,
-    AdminKeyError,
-    ImageClassifier,
-    SharedMemoryFull,
-)
+from {{ cookiecutter.package_name }}.client import ADMIN_KEY_HEADER, AdminKeyError, ImageClassifier, SharedMemoryFull
 from {{ cookiecutter.package_name }}.health import probe
-from {{ cookiecutter.package_name }}.server import MiB, ServerSettings, TritonServer, dev_shm_bytes
+from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
+from {{ cookiecutter.package_name }}.shm import REGION_PREFIX, MiB, dev_shm_bytes
 
 pytestmark = pytest.mark.e2e
 local_server_only = pytest.mark.skipif(bool(EXTERNAL_GRPC_URL), reason="needs a local server it can inspect")
@@ -426,19 +421,13 @@ def pool_worst_case(repository: Path) -> dict[str, int]:
     of a GPU input from outside the pool (a CUDA shared-memory client's pixels)."""
     import math
 
-    from tritonclient.grpc import model_config_pb2
-
-    from {{ cookiecutter.package_name }}.model_repository import load_config
-    from {{ cookiecutter.package_name }}.server import BYTES_PER_ELEMENT
+    from {{ cookiecutter.package_name }}.model_repository import bytes_per_element, load_config, tensor_datatype
 
     configs = {m: load_config(repository / m) for m in ("pipeline", "preprocess", "resnet", "postprocess")}
 
     def nbytes(model: str, *names: str, batch_of: str | None = None) -> int:
         tensors = {t.name: t for t in [*configs[model].input, *configs[model].output]}
-        element = sum(
-            math.prod(tensors[n].dims) * BYTES_PER_ELEMENT[model_config_pb2.DataType.Name(tensors[n].data_type)]
-            for n in names
-        )
+        element = sum(math.prod(tensors[n].dims) * bytes_per_element(tensor_datatype(tensors[n])) for n in names)
         return configs[batch_of or model].max_batch_size * element
 
     def instances(model: str) -> int:

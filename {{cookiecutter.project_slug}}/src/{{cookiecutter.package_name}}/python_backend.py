@@ -23,7 +23,8 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack
 
-from .server import DEV_SHM_ADVICE, SHM_GROWTH_FAILED
+from .model_repository import torch_dtype
+from .shm import DEV_SHM_ADVICE, SHM_GROWTH_FAILED
 from .stages import InvalidImage, Postprocess, read_labels
 
 # Triton 2.51 drops the error code of a BLS response (has_error() answers INTERNAL for everything), so an
@@ -37,14 +38,6 @@ class StageError(Exception):
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
-
-
-TORCH_DTYPES = {
-    "TYPE_FP32": torch.float32,
-    "TYPE_FP16": torch.float16,
-    "TYPE_BF16": torch.bfloat16,
-    "TYPE_INT64": torch.int64,
-}
 
 
 class Instance:
@@ -78,7 +71,7 @@ class Instance:
         """The torch dtype the config declares for input or output `name`."""
         for tensor in self.config["input"] + self.config["output"]:
             if tensor["name"] == name:
-                return TORCH_DTYPES[tensor["data_type"]]
+                return torch_dtype(tensor["data_type"])
         raise KeyError(f"{self.name} has no input or output named {name}")
 
     def to_torch(self, tensor: pb_utils.Tensor) -> torch.Tensor:
