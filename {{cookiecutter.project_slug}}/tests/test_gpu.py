@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,7 @@ import tritonclient.grpc as grpcclient
 from conftest import PROJECT, TRITON_DTYPES, image_input, infer, make_image
 from tritonclient.grpc import model_config_pb2
 
+from {{ cookiecutter.package_name }} import mps
 from {{ cookiecutter.package_name }}.model_repository import load_config, python_models, resnet_weights, top_k
 from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
 from {{ cookiecutter.package_name }}.stages import InvalidImage, Preprocess, Reference
@@ -401,14 +403,20 @@ def test_gpu_answers_match_the_in_process_reference(server, gpu_reference):
             assert (result.as_numpy("CLASS_IDS")[:, 0] == class_ids[:, 0].cpu().numpy()).all()
 
 
-def gpu_memory_used_mib() -> int:
+def gpu_memory_used_mib(server) -> int:
+    """GPU memory of this server's own processes (tritonserver and its stubs), as nvidia-smi lists them: other
+    servers on the same GPU (tests run side by side) do not count."""
+    own = {server.process.pid} | {p.pid for p in mps.processes() if p.ppid == server.process.pid}
     out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    return int(out.split()[0])
+    rows = [[int(v) for v in line.split(",")] for line in out.splitlines() if line.strip()]
+    used = [mib for pid, mib in rows if pid in own]
+    assert used, "nvidia-smi lists none of the server's processes"
+    return sum(used)
 
 
 def test_gpu_memory_does_not_grow_over_1000_requests(server):
@@ -420,11 +428,60 @@ def test_gpu_memory_does_not_grow_over_1000_requests(server):
 
     with ThreadPoolExecutor(8) as pool:
         assert all(pool.map(send, range(300)))  # warm up: allocator caches, cuDNN plans, batch shapes
-        before = gpu_memory_used_mib()
+        before = gpu_memory_used_mib(server)
         assert all(pool.map(send, range(1000)))
-        after = gpu_memory_used_mib()
-    print(f"GPU memory used: {before} MiB before, {after} MiB after 1,000 requests")
+        after = gpu_memory_used_mib(server)
+    print(f"GPU memory used by the server's processes: {before} MiB before, {after} MiB after 1,000 requests")
     assert after - before <= 64
+
+
+CAPPED = """
+import io, json
+import numpy as np, torch
+from PIL import Image
+from {{ cookiecutter.package_name }}.stages import Preprocess, cap_gpu_memory
+
+def jpeg(rng, w, h):
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(out, format="JPEG")
+    return out.getvalue()
+
+max_batch, budget = 32, 2_000_000
+rng = np.random.default_rng(0)
+stage = Preprocess("cuda:0", torch.float16, max_pixels=budget, decode_budget_pixels=budget)
+cap = stage.peak_gpu_bytes(max_batch)
+cap_gpu_memory(torch.device("cuda:0"), cap)
+sizes = [(int(rng.integers(64, 1400)), int(rng.integers(64, 1400))) for _ in range(40)]
+sizes = [(w, h) for w, h in sizes if w * h <= budget]
+pool = [jpeg(rng, w, h) for w, h in sizes]
+reserved = []
+for _ in range(150):
+    n = int(rng.integers(1, max_batch + 1))
+    pixels = stage([pool[int(i)] for i in rng.integers(0, len(pool), n)])
+    assert pixels.shape == (n, 3, 224, 224)
+    torch.cuda.synchronize()
+    reserved.append(torch.cuda.memory_reserved(0))
+print(json.dumps({"cap": cap, "reserved": reserved, "peak": torch.cuda.max_memory_reserved(0)}))
+"""
+
+
+def test_preprocess_gpu_memory_plateaus_under_its_cap(tmp_path):
+    """The preprocess stub's bound (stages.cap_gpu_memory at Preprocess.peak_gpu_bytes of its max batch), in a
+    process of its own as in a stub: batches of 1-32 random JPEGs of random sizes all succeed, reserved memory
+    never passes the cap, and the last third of the run reserves at most an eighth of the cap more than the first
+    two thirds did (the allocator reclaims cached blocks past 60 % of the cap instead of reserving new ones)."""
+    run = subprocess.run([sys.executable, "-c", CAPPED], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    reserved, cap = result["reserved"], result["cap"]
+    third = len(reserved) // 3
+    print(
+        f"cap {cap / 2**20:.0f} MiB; peak reserved {result['peak'] / 2**20:.0f} MiB; max reserved by thirds "
+        + ", ".join(f"{max(reserved[i : i + third]) / 2**20:.0f}" for i in range(0, 3 * third, third))
+        + " MiB"
+    )
+    assert result["peak"] <= cap
+    assert max(reserved[2 * third :]) <= max(reserved[: 2 * third]) + cap // 8
 
 
 # --- every GPU of the host ------------------------------------------------------------------------------------

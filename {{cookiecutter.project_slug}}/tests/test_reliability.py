@@ -20,6 +20,7 @@ from conftest import EXTERNAL_GRPC_URL, image_input, infer, make_image, png_head
 from tritonclient.utils import InferenceServerException
 
 from {{ cookiecutter.package_name }}.health import StubWatchdog, probe, stub_processes
+from {{ cookiecutter.package_name }}.model_repository import load_config, set_instance_counts
 from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
 
 pytestmark = pytest.mark.e2e
@@ -158,13 +159,16 @@ def test_load_holds_with_no_errors_and_no_leak(server, reference):
 # ---------------------------------------------------------------- a server of its own for destructive tests
 
 
-def start_server(model_repository: Path, workdir: Path):
-    """A server of its own on its own copy of the repository (hot reload writes into it)."""
+def start_server(model_repository: Path, workdir: Path, counts: dict[str, int] | None = None):
+    """A server of its own on its own copy of the repository (hot reload writes into it), with these instance
+    counts where given."""
     repo = workdir / "model_repository"
     shutil.copytree(model_repository, repo, copy_function=os.link)  # hard links: the 100 MB weights are shared
-    for model_py in repo.glob("*/1/model.py"):  # model.py files are rewritten, so they are real copies
-        model_py.unlink()
-        shutil.copy(model_repository / model_py.relative_to(repo), model_py)
+    rewritten = [*repo.glob("*/1/model.py"), *(repo / model / "config.pbtxt" for model in counts or {})]
+    for path in rewritten:  # files written to must be real copies
+        path.unlink()
+        shutil.copy(model_repository / path.relative_to(repo), path)
+    set_instance_counts(repo, counts or {})
     settings = ServerSettings.on_free_ports(repo)
     triton = TritonServer(settings, container=False, log=open(workdir / "tritonserver.log", "w")).start()
     triton.wait_ready(600)
@@ -269,8 +273,10 @@ def test_hot_reload_of_the_pipeline_under_load_loses_no_request(own_server):
 
 @local_server_only
 def test_stop_finishes_in_flight_requests_and_leaves_nothing_behind(model_repository, max_batch, tmp_path):
-    """What SIGTERM or Ctrl-C to `serve` (and `docker compose stop`) does: TritonServer.stop()."""
-    triton = start_server(model_repository, tmp_path)
+    """What SIGTERM or Ctrl-C to `serve` (and `docker compose stop`) does: TritonServer.stop(). Four pipeline
+    instances at least, so that 2.51's teardown (a second per instance) outlasts TEARDOWN_GRACE_S here too."""
+    pipelines = max(4, load_config(model_repository / "pipeline").instance_group[0].count)
+    triton = start_server(model_repository, tmp_path, {"pipeline": pipelines})
     images = [make_image(200 + i, size=(640, 480)) for i in range(min(4, max_batch))]
     assert processes(triton) and shm_regions(triton)
     done = []
@@ -288,6 +294,7 @@ def test_stop_finishes_in_flight_requests_and_leaves_nothing_behind(model_reposi
         stopped = time.monotonic() - stopping
         results = [f.result() for f in futures]
     print(f"\nstop: {sum(t > stopping for t in done)} of 6 requests were still in flight and finished; {stopped:.1f} s")
+    print((tmp_path / "tritonserver.log").read_text().splitlines()[-1])  # "drained; ended the teardown ..."
     assert all(r.as_numpy("CLASS_IDS").shape[0] == len(images) for r in results)
     assert returncode == 0
     # Well inside the exit timeout: no stub hangs (2.51 tears instances down a second each, one after another).

@@ -86,6 +86,18 @@ class Preprocess:
         if self.on_gpu:  # nvJPEG's and the kernels' one-time setup, here rather than in the first request
             self.batch([[_blank_jpeg(), _blank_jpeg()]])
 
+    def peak_gpu_bytes(self, max_batch_size: int) -> int:
+        """The most GPU memory one batch of `max_batch_size` images can hold, fixed by the decode budget.
+
+        One decode chunk: its RGB images (uint8, at most the budget), the same-size center squares stacked
+        (uint8) and as float for the resize, the resize's output; then the batch's resized float pixels, their
+        normalized copy and the cast to the output dtype. A quarter more for the caching allocator's rounding.
+        A process that runs only this stage caps its GPU memory there: `cap_gpu_memory`.
+        """
+        chunk = self.decode_budget_pixels * 3 * (1 + 1 + 4 + 4)
+        pixels = max_batch_size * 3 * self.crop**2 * (4 + 4 + 4 + self.dtype.itemsize)
+        return (chunk + pixels) * 5 // 4
+
     def decode(self, data: bytes, fmt: str, width: int, height: int) -> torch.Tensor:
         """One encoded image -> uint8 [3, H, W] on the device. Raises InvalidImage."""
         encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -220,6 +232,22 @@ class Preprocess:
         if isinstance(result, InvalidImage):
             raise result
         return result
+
+
+def cap_gpu_memory(device: torch.device, cap_bytes: int, reclaim_at: float = 0.6) -> None:
+    """Bound this process's PyTorch memory on `device` at `cap_bytes`, so that it plateaus by design. For a
+    process that runs one stage (a Triton instance), never for one that holds several (the in-process reference).
+
+    Batches of varied sizes and images of varied shapes leave the caching allocator with cached blocks that fit
+    no later request, and it reserves new ones: reserved memory ratchets up. Under the cap it returns unused
+    cached blocks to the driver before it would pass the cap, and once more than `reclaim_at` of the cap is
+    reserved it returns the oldest unused ones first (garbage_collection_threshold, which needs the cap). Only a
+    batch that needs more than the cap at once fails (CUDA out of memory, that batch's requests alone). No
+    expandable segments: the tensors handed to other stubs go through CUDA IPC, which those do not support.
+    """
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
+    torch.cuda.memory._set_allocator_settings(f"garbage_collection_threshold:{reclaim_at}")
 
 
 def _blank_jpeg(size=(64, 48)) -> bytes:

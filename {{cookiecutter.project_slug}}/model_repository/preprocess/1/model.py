@@ -3,7 +3,7 @@
 import triton_python_backend_utils as pb_utils
 
 from {{ cookiecutter.package_name }}.python_backend import Instance, error_response, exit_stub, to_triton
-from {{ cookiecutter.package_name }}.stages import Preprocess
+from {{ cookiecutter.package_name }}.stages import Preprocess, cap_gpu_memory
 
 
 class TritonPythonModel:
@@ -17,6 +17,9 @@ class TritonPythonModel:
             crop=int(params["crop"]),
             max_pixels=int(params["max_image_pixels"]),
         )
+        if self.instance.on_gpu:  # this process runs preprocess alone: its GPU memory plateaus at the stage's peak
+            peak = self.preprocess.peak_gpu_bytes(self.instance.config["max_batch_size"])
+            cap_gpu_memory(self.instance.device, peak)
 
     def execute(self, requests):
         # Strings cannot travel through DLPack: encoded images are read as numpy, on the CPU.
