@@ -6,6 +6,7 @@ The region checks read both sides: the server's shared-memory status (an admin A
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -488,3 +489,17 @@ def test_the_cuda_memory_pool_follows_max_batch_size_and_instance_counts(tmp_pat
     save_config(repository / "pipeline", config)
     pools = pool_flags(repository, gpus=[0, 1])
     assert pools[1] == more and pools[0] < more, pools
+
+
+def test_bls_calls_lists_every_model_the_pipeline_calls():
+    """BLS_CALLS sizes the pool and /dev/shm for the calls of a BLS model and tells the watchdog whom to reload: it
+    names every model the shipped pipeline calls, and a call it misses is named, with the fix (python_backend logs
+    it as a warning)."""
+    from {{ cookiecutter.package_name }}.model_repository import BLS_CALLS, undeclared_call
+
+    called = set(re.findall(r'infer\(\s*"(\w+)"', (SHIPPED / "pipeline" / "1" / "model.py").read_text()))
+    assert called and all(undeclared_call("pipeline", model) is None for model in called)
+    assert set(BLS_CALLS["pipeline"]) == called
+    assert "BLS_CALLS in model_repository.py does not list for pipeline: add it there" in undeclared_call(
+        "pipeline", "gate"
+    )

@@ -24,8 +24,20 @@ PIXELS_MODEL = "classify_pixels"
 OUTPUTS = ("SCORES", "CLASS_IDS", "LABELS")
 # The BLS models and the models they call: a BLS model's instance holds the tensors of its calls too, in /dev/shm
 # (shm.dev_shm_bytes) and in the CUDA memory pool (server.cuda_pool_bytes); the watchdog reloads the callers of a
-# model whose stub died (health.py).
+# model whose stub died (health.py). A BLS call to a model not listed here logs a warning that says so, once per
+# stub (python_backend.Instance.infer, undeclared_call).
 BLS_CALLS = {"pipeline": ("preprocess", "resnet", "postprocess")}
+
+
+def undeclared_call(caller: str, called: str) -> str | None:
+    """What is wrong when the BLS model `caller` calls `called` and BLS_CALLS does not say so (None when it does)."""
+    if called in BLS_CALLS.get(caller, ()):
+        return None
+    return (
+        f"{caller} calls {called}, which BLS_CALLS in model_repository.py does not list for {caller}: add it there, "
+        f"or the CUDA memory pool and /dev/shm are sized without the tensors of that call, and the watchdog does not "
+        f"reload {caller} when a stub of {called} dies"
+    )
 
 
 class TritonType(NamedTuple):

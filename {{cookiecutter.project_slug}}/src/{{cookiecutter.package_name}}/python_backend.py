@@ -23,7 +23,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack
 
-from .model_repository import torch_dtype
+from .model_repository import torch_dtype, undeclared_call
 from .shm import DEV_SHM_ADVICE, SHM_GROWTH_FAILED
 from .stages import InvalidImage, Postprocess, read_labels
 
@@ -56,6 +56,7 @@ class Instance:
         # pb_utils.PreferredMemory exists only once the stub runs: never build one at import time.
         self.host_memory = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
         self.parameters = {k: v["string_value"] for k, v in self.config.get("parameters", {}).items()}
+        self.called: set[str] = set()  # the models this instance has made BLS calls to
 
     def bind(self) -> None:
         """Make this instance's GPU the calling thread's current CUDA device.
@@ -99,6 +100,10 @@ class Instance:
         `model_version` pins a version of the model (-1: the newest loaded one).
         """
         self.bind()
+        if model_name not in self.called:  # the first call to this model: is it in BLS_CALLS?
+            self.called.add(model_name)
+            if undeclared := undeclared_call(self.name, model_name):
+                pb_utils.Logger.log_warn(undeclared)
         request = pb_utils.InferenceRequest(
             model_name=model_name,
             model_version=model_version,
