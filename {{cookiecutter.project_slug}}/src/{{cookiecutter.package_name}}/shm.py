@@ -3,8 +3,8 @@
 - The words: `DEV_SHM_ADVICE`, what a request that did not fit in /dev/shm says (from the Python backend, whose
   own words name only Docker's --shm-size, from the pipeline and from the client), and `SHM_GROWTH_FAILED`, how the
   Python backend says it.
-- The sizing: `dev_shm_bytes()`, how far the Python-backend stubs' regions grow (`serve --print-shm`), and
-  `check_dev_shm()`, the warning `serve` prints when /dev/shm is smaller.
+- The sizing: `dev_shm_bytes()`, how far the Python-backend stubs' regions grow (`print_shm_need()`: `serve
+  --print-shm`), and `check_dev_shm()`, the warning `serve` prints when /dev/shm is smaller.
 - The clients' regions: `SystemRegions` and `CudaRegions`, one client's registered regions, and
   `remove_stale_regions()`, which removes those of clients that died without closing them.
 
