@@ -24,12 +24,14 @@ from tritonclient.grpc import model_config_pb2
 
 from {{ cookiecutter.package_name }}.client import ImageClassifier
 from {{ cookiecutter.package_name }}.model_repository import (
+    TRITON_TYPES,
     load_config,
     num_classes,
     python_models,
     resnet_weights,
     set_instance_counts,
     top_k,
+    torch_dtype,
 )
 from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
 from {{ cookiecutter.package_name }}.stages import Reference
@@ -38,7 +40,7 @@ from {{ cookiecutter.package_name }}.weights import write_random
 PROJECT = Path(__file__).resolve().parents[1]
 EXTERNAL_GRPC_URL = os.environ.get("TRITON_GRPC_URL")
 EXTERNAL_REPOSITORY = os.environ.get("MODEL_REPOSITORY")
-TRITON_DTYPES = {"TYPE_FP32": torch.float32, "TYPE_FP16": torch.float16, "TYPE_BF16": torch.bfloat16}
+TRITON_DTYPES = {f"TYPE_{name}": torch_dtype(name) for name in TRITON_TYPES}  # config data_type -> torch dtype
 
 
 def make_image(seed: int, size=(320, 240), mode="RGB", fmt="JPEG") -> bytes:

@@ -31,7 +31,7 @@ from test_e2e import tolerance
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
-from {{ cookiecutter.package_name }}.model_repository import load_config, top_k
+from {{ cookiecutter.package_name }}.model_repository import BLS_CALLS, load_config, top_k
 from {{ cookiecutter.package_name }}.stages import Reference
 
 pytestmark = [
@@ -277,6 +277,8 @@ def test_the_recipes_apply_alone_and_leave_lint_free_code(guide, tmp_path, recip
     shutil.copytree(PROJECT / "model_repository", tmp_path / "model_repository", ignore=shutil.ignore_patterns("*.pt"))
     for recipe in recipes:
         apply_diffs(guide[recipe], tmp_path)
+    called = set(re.findall(r'infer\(\s*"(\w+)"', model_py.read_text()))  # the pipeline's BLS calls
+    assert called and called <= set(BLS_CALLS["pipeline"]), "a model the pipeline calls goes in BLS_CALLS"
     ruff = shutil.which("ruff") or pytest.skip("ruff is not installed")
     config = ["--config", str(PROJECT / "pyproject.toml")]
     for args in (["check"], ["format", "--check"]):

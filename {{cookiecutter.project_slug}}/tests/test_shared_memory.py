@@ -6,6 +6,7 @@ The region checks read both sides: the server's shared-memory status (an admin A
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,15 +22,10 @@ import tritonclient.grpc as grpcclient
 from conftest import EXTERNAL_GRPC_URL, image_input, infer, make_image
 from tritonclient.utils import InferenceServerException
 
-from {{ cookiecutter.package_name }}.client import (
-    ADMIN_KEY_HEADER,
-    REGION_PREFIX,
-    AdminKeyError,
-    ImageClassifier,
-    SharedMemoryFull,
-)
+from {{ cookiecutter.package_name }}.client import ADMIN_KEY_HEADER, AdminKeyError, ImageClassifier, SharedMemoryFull
 from {{ cookiecutter.package_name }}.health import probe
-from {{ cookiecutter.package_name }}.server import MiB, ServerSettings, TritonServer, dev_shm_bytes
+from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
+from {{ cookiecutter.package_name }}.shm import REGION_PREFIX, MiB, dev_shm_bytes
 
 pytestmark = pytest.mark.e2e
 local_server_only = pytest.mark.skipif(bool(EXTERNAL_GRPC_URL), reason="needs a local server it can inspect")
@@ -426,19 +422,13 @@ def pool_worst_case(repository: Path) -> dict[str, int]:
     of a GPU input from outside the pool (a CUDA shared-memory client's pixels)."""
     import math
 
-    from tritonclient.grpc import model_config_pb2
-
-    from {{ cookiecutter.package_name }}.model_repository import load_config
-    from {{ cookiecutter.package_name }}.server import BYTES_PER_ELEMENT
+    from {{ cookiecutter.package_name }}.model_repository import bytes_per_element, load_config, tensor_datatype
 
     configs = {m: load_config(repository / m) for m in ("pipeline", "preprocess", "resnet", "postprocess")}
 
     def nbytes(model: str, *names: str, batch_of: str | None = None) -> int:
         tensors = {t.name: t for t in [*configs[model].input, *configs[model].output]}
-        element = sum(
-            math.prod(tensors[n].dims) * BYTES_PER_ELEMENT[model_config_pb2.DataType.Name(tensors[n].data_type)]
-            for n in names
-        )
+        element = sum(math.prod(tensors[n].dims) * bytes_per_element(tensor_datatype(tensors[n])) for n in names)
         return configs[batch_of or model].max_batch_size * element
 
     def instances(model: str) -> int:
@@ -499,3 +489,17 @@ def test_the_cuda_memory_pool_follows_max_batch_size_and_instance_counts(tmp_pat
     save_config(repository / "pipeline", config)
     pools = pool_flags(repository, gpus=[0, 1])
     assert pools[1] == more and pools[0] < more, pools
+
+
+def test_bls_calls_lists_every_model_the_pipeline_calls():
+    """BLS_CALLS sizes the pool and /dev/shm for the calls of a BLS model and tells the watchdog whom to reload: it
+    names every model the shipped pipeline calls, and a call it misses is named, with the fix (python_backend logs
+    it as a warning)."""
+    from {{ cookiecutter.package_name }}.model_repository import BLS_CALLS, undeclared_call
+
+    called = set(re.findall(r'infer\(\s*"(\w+)"', (SHIPPED / "pipeline" / "1" / "model.py").read_text()))
+    assert called and all(undeclared_call("pipeline", model) is None for model in called)
+    assert set(BLS_CALLS["pipeline"]) == called
+    assert "BLS_CALLS in model_repository.py does not list for pipeline: add it there" in undeclared_call(
+        "pipeline", "gate"
+    )

@@ -15,6 +15,7 @@ import secrets
 from pathlib import Path
 
 ENV = "TRITON_ADMIN_KEY"
+ADMIN_KEY_HEADER = "triton-grpc-protocol-admin-key"  # how a gRPC request carries the key (over HTTP: `admin-key`)
 
 
 def key_file() -> Path:

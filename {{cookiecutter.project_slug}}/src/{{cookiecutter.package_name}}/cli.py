@@ -13,13 +13,12 @@ REPOSITORY = Path("model_repository")
 
 
 def serve(args) -> int:
-    import subprocess
+    """Run tritonserver on the model repository until Ctrl-C (or SIGTERM, SIGHUP): check, start, watch, stop."""
     import time
 
     from . import admin_key
-    from .console import LogPump, log_header
-    from .health import StubWatchdog
-    from .server import CONTAINER_TRITONSERVER, ServerSettings, TritonServer, _cache_dir, server_flags
+    from .server import CONTAINER_TRITONSERVER, ServerSettings, server_flags
+    from .shm import check_dev_shm, print_shm_need
 
     container = CONTAINER_TRITONSERVER.is_dir() if args.container is None else args.container
     address = args.address or ("0.0.0.0" if container else "127.0.0.1")
@@ -32,6 +31,7 @@ def serve(args) -> int:
     if args.print_shm:
         print_shm_need(settings.model_repository)
         return 0
+    key_place = None
     if not container:  # the key same-host clients find (admin_key.py); the container's: TRITON_ADMIN_KEY or new
         settings.admin_key, key_place = admin_key.for_serve(rotate=args.new_admin_key)
     check_dev_shm(settings.model_repository)
@@ -40,10 +40,22 @@ def serve(args) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     signal.signal(signal.SIGHUP, signal.default_int_handler)
     started = time.monotonic()
-    pump = None
-    if container:  # the container runtime keeps the log: all of it on stdout, as before
+    server, pump = start_server(args, settings, container, started)
+    return run_until_stopped(args, server, pump, started, key_place)
+
+
+def start_server(args, settings, container: bool, started: float):
+    """(the started TritonServer, the LogPump showing its progress here or None). In a container the runtime keeps
+    the log: all of it on stdout. Otherwise the whole log goes to a file, named first, and a short progress view
+    here (--verbose: the log too)."""
+    import subprocess
+
+    from .console import LogPump, log_header
+    from .server import TritonServer, _cache_dir
+
+    if container:
         server = TritonServer(settings, container=True)
-    else:  # the whole log to a file, named first; a short progress view here (--verbose: the log too)
+    else:
         log_file = args.log_file or _cache_dir() / "tritonserver.log"
         log_file.parent.mkdir(parents=True, exist_ok=True)
         log_file.write_text(log_header(settings.gpus))
@@ -53,28 +65,30 @@ def serve(args) -> int:
     print(f"starting tritonserver on {settings.model_repository} ({gpus})")
     server.start()
     print(f"CUDA MPS: {server.mps_status}")
-    if not container:
-        pump = LogPump(server.process.stdout, log_file, settings.gpus, args.verbose, started)
-        pump.start()
+    if container:
+        return server, None
+    pump = LogPump(server.process.stdout, log_file, settings.gpus, args.verbose, started)
+    pump.start()
+    return server, pump
+
+
+def run_until_stopped(args, server, pump, started: float, key_place: str | None) -> int:
+    """Wait until the server is ready, watch its stubs until Ctrl-C or its exit, then drain and stop it."""
+    import time
+
+    from .health import StubWatchdog
+
     watchdog = StubWatchdog(
-        server.grpc_url, settings.admin_headers, interval_s=args.watchdog_interval, server_pid=server.process.pid
+        server.grpc_url, server.settings.admin_headers, interval_s=args.watchdog_interval, server_pid=server.process.pid
     )
     try:
         try:
             server.wait_ready(args.timeout)
         except (RuntimeError, TimeoutError) as exc:
-            where = f": {log_file}" if pump else " above"
+            where = f": {pump.path}" if pump else " above"
             print(f"error: {exc}; the models' errors are in tritonserver's log{where}", file=sys.stderr)
             return 1
-        print(
-            f"ready in {time.monotonic() - started:.1f} s: gRPC localhost:{settings.grpc_port}   HTTP "
-            f"http://localhost:{settings.http_port}   metrics http://localhost:{settings.metrics_port}/metrics"
-            "   (Ctrl-C stops)"
-        )
-        if container and not os.environ.get(admin_key.ENV):
-            print(f"admin APIs (model load/unload, statistics, ...) need the key {settings.admin_key}")
-        elif not container and key_place != admin_key.ENV:
-            print(f"admin key: in {key_place} (same-host clients read it there; --new-admin-key rotates it)")
+        print_ready(server, started, key_place)
         if args.watchdog_interval > 0:
             watchdog.start()
         server.process.wait()
@@ -90,30 +104,22 @@ def serve(args) -> int:
     return returncode or 0
 
 
-def print_shm_need(repository: Path) -> int:
-    """The /dev/shm the Python-backend stubs of `repository` can grow to (server.dev_shm_bytes), per model."""
-    from .server import MiB, dev_shm_bytes
+def print_ready(server, started: float, key_place: str | None) -> None:
+    """Where the ready server listens, and where its admin key is."""
+    import time
 
-    need = dev_shm_bytes(repository)
-    for model, (stubs, per_stub) in need.items():
-        print(f"{model:12s} {stubs} stub(s) x {per_stub // MiB} MiB")
-    total = sum(stubs * per_stub for stubs, per_stub in need.values())
-    print(f"total        {total // MiB} MiB  (+ the regions of same-host shared-memory clients)")
-    return total
+    from . import admin_key
 
-
-def check_dev_shm(repository: Path) -> None:
-    import shutil
-
-    from .server import MiB, dev_shm_bytes
-
-    need = sum(stubs * per_stub for stubs, per_stub in dev_shm_bytes(repository).values())
-    size = shutil.disk_usage("/dev/shm").total if Path("/dev/shm").is_dir() else 0
-    if size < need:
-        print(
-            f"warning: /dev/shm is {size // MiB} MiB; at full batches the Python-backend stubs can use {need // MiB} "
-            "MiB, and a request that does not fit fails (raise shm_size / TRITON_SHM_SIZE; serve --print-shm)"
-        )
+    settings = server.settings
+    print(
+        f"ready in {time.monotonic() - started:.1f} s: gRPC {server.grpc_url}   HTTP "
+        f"http://localhost:{settings.http_port}   metrics http://localhost:{settings.metrics_port}/metrics"
+        "   (Ctrl-C stops)"
+    )
+    if server.container and not os.environ.get(admin_key.ENV):
+        print(f"admin APIs (model load/unload, statistics, ...) need the key {settings.admin_key}")
+    elif not server.container and key_place != admin_key.ENV:
+        print(f"admin key: in {key_place} (same-host clients read it there; --new-admin-key rotates it)")
 
 
 def health(args) -> int:
@@ -157,7 +163,7 @@ def classify(args) -> int:
         return fail(unreachable(args.url, exc))
     with client:
         try:
-            if not client.client.is_server_live():
+            if not client.is_live():
                 return fail(f"the server at {args.url} is not live")
         except InferenceServerException as exc:
             return fail(unreachable(args.url, exc))
@@ -195,7 +201,7 @@ def classify_each(client, images: dict[str, bytes], parameters: dict | None, on_
         return (text or type(exc).__name__).strip()
 
     paths, results = list(images), {}
-    size = max(1, client._config(client.model).max_batch_size) if not on_gpu else 1
+    size = max(1, client.config(client.model).max_batch_size) if not on_gpu else 1
     for start in range(0, len(paths), size):
         chunk = paths[start : start + size]
         try:
@@ -252,17 +258,15 @@ def decode_on_gpu(client, images: list[bytes]):
     pixel type): what a client that decodes its own frames hands to `classify_pixels` over CUDA shared memory."""
     import torch
 
+    from .model_repository import PIXELS_MODEL, torch_dtype
     from .stages import Preprocess
 
     if not torch.cuda.is_available():
         raise SystemExit("--shared-memory cuda needs a CUDA GPU on this machine (the pixels are decoded on it)")
-    params = {k: v.string_value for k, v in client.client.get_model_config("preprocess").config.parameters.items()}
-    dtype = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}[
-        client._input_datatype("classify_pixels", "PIXELS")
-    ]
+    params = {k: v.string_value for k, v in client.config("preprocess").parameters.items()}
     preprocess = Preprocess(
         torch.device("cuda", 0),
-        dtype,
+        torch_dtype(client.input_datatype(PIXELS_MODEL, "PIXELS")),
         resize=int(params["resize"]),
         crop=int(params["crop"]),
         max_pixels=int(params["max_image_pixels"]),
@@ -300,10 +304,7 @@ def weights(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="{{ cookiecutter.project_slug }}", description=__doc__)
-    commands = parser.add_subparsers(required=True)
-
+def add_serve(commands) -> None:
     p = commands.add_parser("serve", help="run Triton on the model repository until Ctrl-C")
     p.add_argument("--model-repository", type=Path, default=REPOSITORY)
     p.add_argument("--http-port", type=int, default={{ cookiecutter.http_port }})
@@ -350,15 +351,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.set_defaults(run=serve)
 
+
+def add_health(commands) -> None:
+    from .client import DEFAULT_URL
+
     p = commands.add_parser("health", help="one small real inference; exit 0 if it is answered")
-    p.add_argument("--url", default="localhost:{{ cookiecutter.grpc_port }}")
+    p.add_argument("--url", default=DEFAULT_URL)
     p.add_argument("--model", default="pipeline")
     p.add_argument("--timeout", type=float, default=30)
     p.set_defaults(run=health)
 
+
+def add_classify(commands) -> None:
+    from .client import DEFAULT_URL
+
     p = commands.add_parser("classify", help="send images over gRPC and print the top-k classes")
     p.add_argument("images", nargs="+")
-    p.add_argument("--url", default="localhost:{{ cookiecutter.grpc_port }}")
+    p.add_argument("--url", default=DEFAULT_URL)
     p.add_argument("--model", default="pipeline", help="pipeline (BLS) or ensemble")
     p.add_argument(
         "--param", type=key_value, action="append", default=[], metavar="KEY=VALUE", help="a request parameter"
@@ -373,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON array (image, predictions or error) for scripts")
     p.set_defaults(run=classify)
 
+
+def add_weights(commands) -> None:
     p = commands.add_parser("weights", help="write the ResNet weights, labels.txt and the configs that depend on them")
     sources = p.add_subparsers(dest="source", required=True)
     s = sources.add_parser("pretrained", help="torchvision's ImageNet weights (downloads them: needs internet)")
@@ -392,6 +403,12 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--model-repository", type=Path, default=REPOSITORY)
     p.set_defaults(run=weights)
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="{{ cookiecutter.project_slug }}", description=__doc__)
+    commands = parser.add_subparsers(required=True)
+    for add in (add_serve, add_health, add_classify, add_weights):
+        add(commands)
     args = parser.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # progress shows up at once, also in container logs
     try:

@@ -12,48 +12,42 @@ admin key: these modes need the server's key (`admin_key=`, else TRITON_ADMIN_KE
 keeps it in, admin_key.key_file()). The client unregisters and
 frees every region it made on close(), on any error, on Ctrl-C and at interpreter exit. A client killed outright
 (SIGKILL) cannot; the next shared-memory client on the host, and `serve` when it stops, remove what it left
-(`remove_stale_regions`), and so does `serve`'s watchdog within seconds with nobody else calling.
+(`shm.remove_stale_regions`), and so does `serve`'s watchdog within seconds with nobody else calling.
+
+Each mode is one transport object behind one interface (`Transport`): `InMessages`, `SystemShm`, `CudaShm`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import secrets
-import shutil
 import threading
-import time
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor, serialized_byte_size
 
+from .admin_key import ADMIN_KEY_HEADER
 from .admin_key import find as find_admin_key
 from .admin_key import key_file as admin_key_file
-from .server import DEV_SHM_ADVICE, SHM_GROWTH_FAILED
+from .model_repository import OUTPUTS, PIXELS_MODEL, bytes_per_element, numpy_dtype, tensor_datatype, torch_dtype
+from .shm import (
+    DEV_SHM_ADVICE,
+    SHM_GROWTH_FAILED,
+    CudaRegions,
+    Regions,
+    SharedMemoryFull,
+    SystemRegions,
+    remove_stale_regions,
+)
 
 DEFAULT_URL = "localhost:{{ cookiecutter.grpc_port }}"
-ADMIN_KEY_HEADER = "triton-grpc-protocol-admin-key"
-PIXELS_MODEL = "classify_pixels"
-OUTPUTS = ("SCORES", "CLASS_IDS", "LABELS")
-DEV_SHM = Path("/dev/shm")
-# Every region a client makes is named <prefix><pid namespace>_<pid>_<random>_<use>: unique per client, and a
-# region whose process is gone can be told apart from one still in use.
-REGION_PREFIX = "{{ cookiecutter.package_name }}_client_"
 LABEL_BYTES = 4 + 252  # room per label in the output region: 4-byte length + up to 252 bytes of text
-BYTES_PER_ELEMENT = {"FP32": 4, "FP16": 2, "BF16": 2, "INT64": 8}
-MiB = 1 << 20
 
 
 class AdminKeyError(ValueError):
     """No admin key for an admin API (shared memory), or a key the server rejected; the message says which."""
-
-
-class SharedMemoryFull(InferenceServerException):
-    """A request failed because /dev/shm (the server's, or this client's region) had no room for it."""
 
 
 @dataclass(frozen=True)
@@ -61,144 +55,6 @@ class Prediction:
     class_id: int
     label: str
     score: float
-
-
-def _pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
-
-
-def _stale(name: str) -> bool:
-    """A region of this PID namespace whose client process is gone."""
-    if not name.startswith(REGION_PREFIX):
-        return False
-    try:
-        namespace, pid = (int(part) for part in name[len(REGION_PREFIX) :].split("_")[:2])
-    except ValueError:
-        return False
-    return namespace == _pid_namespace() and not _alive(pid)
-
-
-def remove_stale_regions(
-    client: grpcclient.InferenceServerClient | None = None, headers: dict | None = None, in_use_wait_s: float = 30
-):
-    """Unregister from the server (given a client and the admin headers) and unlink from /dev/shm the regions of
-    this host's clients that died without closing them (SIGKILL, a crash). Returns the names removed (unregistered,
-    unlinked, or both).
-
-    A dead client's request can still be in the server, which refuses to unregister a region in use: such a region
-    is waited for up to `in_use_wait_s`, then left registered for the next call (its file still goes)."""
-    removed = set()
-    if client is not None:
-        for kind in ("system", "cuda"):
-            status = getattr(client, f"get_{kind}_shared_memory_status")(headers=headers, as_json=True)
-            for name in status.get("regions", {}):  # {name: status}
-                if not _stale(name):
-                    continue
-                try:
-                    _unregister(client, kind, name, headers, in_use_wait_s)
-                except InferenceServerException as exc:
-                    if "in use" not in (exc.message() or ""):
-                        raise
-                    continue
-                removed.add(name)
-    for path in DEV_SHM.glob(REGION_PREFIX + "*"):
-        if _stale(path.name):
-            path.unlink(missing_ok=True)
-            removed.add(path.name)
-    return sorted(removed)
-
-
-def _unregister(client, kind: str, name: str, headers: dict | None, timeout_s: float = 30) -> None:
-    """Unregister a region; a region a request still uses is refused by the server: retry until it is free."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            getattr(client, f"unregister_{kind}_shared_memory")(name, headers=headers)
-            return
-        except InferenceServerException as exc:
-            if "in use" not in (exc.message() or "") or time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
-class _Regions:
-    """The shared-memory regions of one client, one per use ("io", "pixels"), each sized for the largest request
-    so far and reused. release() unregisters and frees them all; it also runs when the client is collected and at
-    interpreter exit (weakref.finalize), so it holds no reference to the client object itself."""
-
-    def __init__(self, client: grpcclient.InferenceServerClient, kind: str, headers: dict):
-        self.client, self.kind, self.headers = client, kind, headers
-        self.prefix = f"{REGION_PREFIX}{_pid_namespace()}_{os.getpid()}_{secrets.token_hex(4)}_"
-        self.regions: dict[str, tuple[str, object, int]] = {}  # use -> (name, handle, byte size)
-
-    def get(self, use: str, byte_size: int, device_id: int = 0):
-        """(name, handle) of a registered region of at least byte_size bytes; grown (re-made) when too small."""
-        if use in self.regions and self.regions[use][2] >= byte_size:
-            return self.regions[use][:2]
-        self.drop(use)
-        size = max(MiB, 1 << (byte_size - 1).bit_length())  # powers of two: few re-makes as batches grow
-        name = self.prefix + use
-        if self.kind == "system":
-            from tritonclient.utils import shared_memory as shm
-
-            free = shutil.disk_usage(DEV_SHM).free
-            if size > free:  # tmpfs would take it and then kill us with SIGBUS on the first write
-                raise SharedMemoryFull(f"{DEV_SHM_ADVICE} (this client's region: {size >> 20} MiB, {free >> 20} free)")
-            handle = shm.create_shared_memory_region(name, "/" + name, size, create_only=True)
-            self.regions[use] = (name, handle, size)
-            try:
-                os.posix_fallocate(handle._mpsm_handle._fd, 0, size)  # the pages exist now, or ENOSPC here
-            except OSError as exc:
-                self.drop(use)
-                raise SharedMemoryFull(f"{DEV_SHM_ADVICE} (this client's region: {exc})") from exc
-            self.client.register_system_shared_memory(name, "/" + name, size, headers=self.headers)
-        else:
-            from tritonclient.utils import cuda_shared_memory as cudashm
-
-            handle = cudashm.create_shared_memory_region(name, size, device_id)
-            self.regions[use] = (name, handle, size)
-            raw = cudashm.get_raw_handle(handle)
-            self.client.register_cuda_shared_memory(name, raw, device_id, size, headers=self.headers)
-        return name, handle
-
-    def drop(self, use: str) -> None:
-        if use not in self.regions:
-            return
-        name, handle, _ = self.regions.pop(use)
-        try:
-            _unregister(self.client, self.kind, name, self.headers)
-        except Exception:  # the server is gone or unreachable: its mapping went with it; free ours regardless
-            pass
-        finally:
-            if self.kind == "system":
-                from tritonclient.utils import shared_memory as shm
-
-                shm.destroy_shared_memory_region(handle)
-            else:
-                from tritonclient.utils import cuda_shared_memory as cudashm
-
-                cudashm.destroy_shared_memory_region(handle)
-
-    def release(self) -> None:
-        for use in list(self.regions):
-            self.drop(use)
-
-    @property
-    def names(self) -> list[str]:
-        return [name for name, _, _ in self.regions.values()]
 
 
 class ImageClassifier:
@@ -217,37 +73,41 @@ class ImageClassifier:
         shared_memory: str | None = None,
         admin_key: str | None = None,
     ):
-        if shared_memory not in (None, "system", "cuda"):
+        if shared_memory not in list(TRANSPORTS):
             raise ValueError(f"shared_memory must be None, 'system' or 'cuda', not {shared_memory!r}")
         self.client = grpcclient.InferenceServerClient(url)
         self.model = model
         self.timeout_s = timeout_s
         self.shared_memory = shared_memory
         self._configs: dict[str, object] = {}
-        self._lock = threading.Lock()
-        self._regions = None
-        if shared_memory:
-            source = "admin_key="
-            if not admin_key:
-                admin_key, source = find_admin_key()
-            if not admin_key:
-                raise AdminKeyError(
-                    "shared memory is an admin API of this server and no admin key was found: pass admin_key=, set "
-                    f"TRITON_ADMIN_KEY, or run on the host where `serve` keeps its key ({admin_key_file()})"
-                )
-            headers = {ADMIN_KEY_HEADER: admin_key}
-            try:
-                remove_stale_regions(self.client, headers)  # also checks the key: a wrong one fails here
-            except InferenceServerException as exc:
-                if "restricted" not in (exc.message() or ""):
-                    raise
-                raise AdminKeyError(
-                    f"admin key rejected: the server at {url} does not accept the key from {source}; use the key of "
-                    f"the running `serve` (TRITON_ADMIN_KEY, or {admin_key_file()} on its host; "
-                    "`serve --new-admin-key` makes a new one)"
-                ) from None
-            self._regions = _Regions(self.client, shared_memory, headers)
-            self._finalizer = weakref.finalize(self, self._regions.release)
+        if shared_memory is None:
+            self.transport: Transport = InMessages()
+        else:
+            self.transport = TRANSPORTS[shared_memory](self.client, self._admin_headers(url, admin_key))
+            self._finalizer = weakref.finalize(self, self.transport.regions.release)
+
+    def _admin_headers(self, url: str, admin_key: str | None) -> dict[str, str]:
+        """The headers that open the shared-memory API, with a key the server accepts (AdminKeyError if none)."""
+        source = "admin_key="
+        if not admin_key:
+            admin_key, source = find_admin_key()
+        if not admin_key:
+            raise AdminKeyError(
+                "shared memory is an admin API of this server and no admin key was found: pass admin_key=, set "
+                f"TRITON_ADMIN_KEY, or run on the host where `serve` keeps its key ({admin_key_file()})"
+            )
+        headers = {ADMIN_KEY_HEADER: admin_key}
+        try:
+            remove_stale_regions(self.client, headers)  # also checks the key: a wrong one fails here
+        except InferenceServerException as exc:
+            if "restricted" not in (exc.message() or ""):
+                raise
+            raise AdminKeyError(
+                f"admin key rejected: the server at {url} does not accept the key from {source}; use the key of "
+                f"the running `serve` (TRITON_ADMIN_KEY, or {admin_key_file()} on its host; "
+                "`serve --new-admin-key` makes a new one)"
+            ) from None
+        return headers
 
     # ------------------------------------------------------------------ requests
 
@@ -255,30 +115,15 @@ class ImageClassifier:
         """The raw Triton result (SCORES, CLASS_IDS, LABELS) for a batch of encoded images, over plain gRPC.
         `parameters` go with the request; a BLS model.py reads them with `request.parameters()`
         (docs/customizing.md, recipe 3)."""
-        batch = np.array([[image] for image in images], dtype=object)
+        batch = _image_batch(images)
         inputs = [grpcclient.InferInput("IMAGE", list(batch.shape), "BYTES")]
         inputs[0].set_data_from_numpy(batch)
-        outputs = [grpcclient.InferRequestedOutput(name) for name in OUTPUTS]
-        return self._call(self.model, inputs, outputs, parameters)
+        return self._call(self.model, inputs, _requested_outputs(), parameters)
 
     def outputs(self, images: list[bytes], parameters: dict | None = None) -> dict[str, np.ndarray]:
         """{SCORES, CLASS_IDS, LABELS: numpy array} for a batch of encoded images, by the chosen transport.
         CUDA shared memory is for pixels: encoded images go over gRPC in that mode."""
-        if self.shared_memory != "system":
-            result = self.infer(images, parameters)
-            return {name: result.as_numpy(name) for name in OUTPUTS}
-        batch = np.array([[image] for image in images], dtype=object)
-        serialized = serialize_byte_tensor(batch)
-        with self._lock, self._release_on_error():
-            size = serialized_byte_size(serialized)
-            layout = self._output_layout(self.model, len(images), offset=size)
-            name, handle = self._regions.get("io", layout["end"])
-            from tritonclient.utils import shared_memory as shm
-
-            shm.set_shared_memory_region(handle, [serialized])
-            inputs = [grpcclient.InferInput("IMAGE", list(batch.shape), "BYTES")]
-            inputs[0].set_shared_memory(name, size)
-            return self._infer_to_region(self.model, inputs, name, handle, layout, parameters)
+        return self.transport.images(self, images, parameters)
 
     def classify(self, images: list[bytes], parameters: dict | None = None) -> list[list[Prediction]]:
         return self._predictions(self.outputs(images, parameters))
@@ -289,49 +134,36 @@ class ImageClassifier:
         return self._predictions(self.pixel_outputs(pixels))
 
     def pixel_outputs(self, pixels) -> dict[str, np.ndarray]:
-        datatype = self._input_datatype(PIXELS_MODEL, "PIXELS")
-        shape = list(pixels.shape)
-        nbytes = int(np.prod(shape)) * BYTES_PER_ELEMENT[datatype]
-        outputs = [grpcclient.InferRequestedOutput(name) for name in OUTPUTS]
-        inputs = [grpcclient.InferInput("PIXELS", shape, datatype)]
-        if self.shared_memory == "cuda":
-            from tritonclient.utils import cuda_shared_memory as cudashm
+        datatype = self.input_datatype(PIXELS_MODEL, "PIXELS")
+        nbytes = int(np.prod(list(pixels.shape))) * bytes_per_element(datatype)
+        return self.transport.pixels(self, pixels, datatype, nbytes)
 
-            if not getattr(pixels, "is_cuda", False):
-                raise ValueError("shared_memory='cuda' sends pixels that are already on a GPU: a torch CUDA tensor")
-            pixels = pixels.to(_torch_dtype(datatype)).contiguous()
-            with self._lock, self._release_on_error():
-                name, handle = self._regions.get("pixels", nbytes, pixels.device.index or 0)
-                cudashm.set_shared_memory_region_from_dlpack(handle, [pixels])  # device to device, synchronized
-                inputs[0].set_shared_memory(name, nbytes)
-                result = self._call(PIXELS_MODEL, inputs, outputs)
-                return {name: result.as_numpy(name) for name in OUTPUTS}
-        array = _host_pixels(pixels, datatype)
-        if self.shared_memory == "system":
-            from tritonclient.utils import shared_memory as shm
+    # ------------------------------------------------------------------ the server's side
 
-            with self._lock, self._release_on_error():
-                layout = self._output_layout(PIXELS_MODEL, shape[0], offset=nbytes)
-                name, handle = self._regions.get("io", layout["end"])
-                shm.set_shared_memory_region(handle, [array])
-                inputs[0].set_shared_memory(name, nbytes)
-                return self._infer_to_region(PIXELS_MODEL, inputs, name, handle, layout)
-        if datatype == "BF16":
-            raise ValueError("BF16 pixels travel through shared memory: shared_memory='system' or 'cuda'")
-        inputs[0].set_data_from_numpy(array)
-        result = self._call(PIXELS_MODEL, inputs, outputs)
-        return {name: result.as_numpy(name) for name in OUTPUTS}
+    def is_live(self) -> bool:
+        return self.client.is_server_live()
+
+    def config(self, model: str):
+        """The model's config (a ModelConfig protobuf), as the server serves it; read once per client."""
+        if model not in self._configs:
+            self._configs[model] = self.client.get_model_config(model).config
+        return self._configs[model]
+
+    def input_datatype(self, model: str, name: str) -> str:
+        """The datatype ("FP32", ...) the model declares for input `name`."""
+        (tensor,) = [t for t in self.config(model).input if t.name == name]
+        return tensor_datatype(tensor)
 
     # ------------------------------------------------------------------ lifecycle
 
     @property
     def region_names(self) -> list[str]:
         """The names of the shared-memory regions this client holds now (registered on the server)."""
-        return self._regions.names if self._regions else []
+        return self.transport.regions.names if self.transport.regions else []
 
     def close(self) -> None:
         """Unregister and free every region, then close the connection. Safe to call twice."""
-        if self._regions is not None:
+        if self.transport.regions is not None:
             self._finalizer()
         self.client.close()
 
@@ -341,7 +173,7 @@ class ImageClassifier:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ internals (also the transports')
 
     def _call(self, model, inputs, outputs, parameters: dict | None = None) -> grpcclient.InferResult:
         try:
@@ -355,59 +187,18 @@ class ImageClassifier:
                 raise SharedMemoryFull(f"{advice}{message}", exc.status()) from exc
             raise
 
-    @contextlib.contextmanager
-    def _release_on_error(self):
-        """Any failure, Ctrl-C included: the server may still hold the request, so the regions are unregistered
-        (once the server is done with them) and freed; the next call makes new ones."""
-        try:
-            yield
-        except BaseException:
-            self._regions.release()
-            raise
-
-    def _config(self, model: str):
-        if model not in self._configs:
-            self._configs[model] = self.client.get_model_config(model).config
-        return self._configs[model]
-
-    def _input_datatype(self, model: str, name: str) -> str:
-        from tritonclient.grpc import model_config_pb2
-
-        (tensor,) = [t for t in self._config(model).input if t.name == name]
-        return model_config_pb2.DataType.Name(tensor.data_type).removeprefix("TYPE_")
-
     def _output_layout(self, model: str, batch: int, offset: int) -> dict:
         """Where each output goes in the region, after the input (64-byte aligned)."""
-        from tritonclient.grpc import model_config_pb2
-
         layout, end = {}, offset
-        for tensor in self._config(model).output:
-            datatype = model_config_pb2.DataType.Name(tensor.data_type).removeprefix("TYPE_")
-            per = LABEL_BYTES if datatype == "STRING" else BYTES_PER_ELEMENT[datatype]
+        for tensor in self.config(model).output:
+            datatype = tensor_datatype(tensor)
+            per = LABEL_BYTES if datatype == "STRING" else bytes_per_element(datatype)
             start = -(-end // 64) * 64
             size = batch * int(np.prod(tensor.dims)) * per
             layout[tensor.name] = (start, size, "BYTES" if datatype == "STRING" else datatype)
             end = start + size
         layout["end"] = end
         return layout
-
-    def _infer_to_region(self, model, inputs, name, handle, layout, parameters=None) -> dict[str, np.ndarray]:
-        from tritonclient.utils import shared_memory as shm
-
-        outputs = []
-        for output in OUTPUTS:
-            requested = grpcclient.InferRequestedOutput(output)
-            requested.set_shared_memory(name, layout[output][1], offset=layout[output][0])
-            outputs.append(requested)
-        result = self._call(model, inputs, outputs, parameters)
-        arrays = {}
-        for output in OUTPUTS:
-            start, _, datatype = layout[output]
-            shape = list(result.get_output(output).shape)
-            dtype = np.object_ if datatype == "BYTES" else np.dtype(datatype.lower().replace("fp", "float"))
-            # a copy: the region is reused by the next call
-            arrays[output] = np.array(shm.get_contents_as_numpy(handle, dtype, shape, offset=start))
-        return arrays
 
     @staticmethod
     def _predictions(arrays: dict[str, np.ndarray]) -> list[list[Prediction]]:
@@ -418,10 +209,130 @@ class ImageClassifier:
         ]
 
 
-def _torch_dtype(datatype: str):
-    import torch
+# ------------------------------------------------------------------ transports: how the tensors travel
 
-    return {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}[datatype]
+
+class Transport:
+    """How one client's tensors travel: one subclass per `shared_memory` mode. `images()` and `pixels()` send one
+    request to an entry model and return its outputs as numpy arrays; `regions`: the shared-memory regions the
+    transport holds (None: none)."""
+
+    regions: Regions | None = None
+
+    def images(self, classifier: ImageClassifier, images: list[bytes], parameters: dict | None) -> dict:
+        """Encoded images to `classifier.model`: over gRPC, unless a subclass says otherwise."""
+        return _arrays(classifier.infer(images, parameters))
+
+    def pixels(self, classifier: ImageClassifier, pixels, datatype: str, nbytes: int) -> dict:
+        """Preprocessed pixels of `datatype` (`nbytes` bytes in all) to `classify_pixels`."""
+        raise NotImplementedError
+
+
+class InMessages(Transport):
+    """shared_memory=None: the tensors inside the gRPC messages (works from anywhere)."""
+
+    def pixels(self, classifier, pixels, datatype, nbytes):
+        array = _host_pixels(pixels, datatype)
+        if datatype == "BF16":
+            raise ValueError("BF16 pixels travel through shared memory: shared_memory='system' or 'cuda'")
+        inputs = [grpcclient.InferInput("PIXELS", list(pixels.shape), datatype)]
+        inputs[0].set_data_from_numpy(array)
+        return _arrays(classifier._call(PIXELS_MODEL, inputs, _requested_outputs()))
+
+
+class _InRegions(Transport):
+    """What the shared-memory modes share: their regions serve one request at a time, and are released on any
+    failure."""
+
+    def __init__(self, regions: Regions):
+        self.regions = regions
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def request(self):
+        """One request through the regions. Any failure, Ctrl-C included: the server may still hold the request,
+        so the regions are unregistered (once the server is done with them) and freed; the next call makes new
+        ones."""
+        with self.lock:
+            try:
+                yield
+            except BaseException:
+                self.regions.release()
+                raise
+
+
+class SystemShm(_InRegions):
+    """shared_memory="system": the input, then every output, in one /dev/shm region ("io")."""
+
+    def __init__(self, client: grpcclient.InferenceServerClient, headers: dict):
+        super().__init__(SystemRegions(client, headers))
+
+    def images(self, classifier, images, parameters):
+        batch = _image_batch(images)
+        serialized = serialize_byte_tensor(batch)
+        with self.request():
+            image = grpcclient.InferInput("IMAGE", list(batch.shape), "BYTES")
+            size = serialized_byte_size(serialized)
+            return self._infer(classifier, classifier.model, image, serialized, size, len(images), parameters)
+
+    def pixels(self, classifier, pixels, datatype, nbytes):
+        array = _host_pixels(pixels, datatype)
+        with self.request():
+            inputs = grpcclient.InferInput("PIXELS", list(pixels.shape), datatype)
+            return self._infer(classifier, PIXELS_MODEL, inputs, array, nbytes, pixels.shape[0])
+
+    def _infer(self, classifier, model, tensor, data, size, batch, parameters=None) -> dict[str, np.ndarray]:
+        """`data` (`size` bytes) at the start of the region as the input `tensor`, every output after it."""
+        layout = classifier._output_layout(model, batch, offset=size)
+        name, handle = self.regions.get("io", layout["end"])
+        self.regions.write(handle, [data])
+        tensor.set_shared_memory(name, size)
+        outputs = []
+        for output in OUTPUTS:
+            requested = grpcclient.InferRequestedOutput(output)
+            requested.set_shared_memory(name, layout[output][1], offset=layout[output][0])
+            outputs.append(requested)
+        result = classifier._call(model, [tensor], outputs, parameters)
+        arrays = {}
+        for output in OUTPUTS:
+            start, _, datatype = layout[output]
+            dtype = np.object_ if datatype == "BYTES" else numpy_dtype(datatype)
+            arrays[output] = self.regions.read(handle, dtype, list(result.get_output(output).shape), start)
+        return arrays
+
+
+class CudaShm(_InRegions):
+    """shared_memory="cuda": pixels already on a GPU through a CUDA IPC region ("pixels"): the server reads them
+    from GPU memory. Encoded images, and the small results, over gRPC."""
+
+    def __init__(self, client: grpcclient.InferenceServerClient, headers: dict):
+        super().__init__(CudaRegions(client, headers))
+
+    def pixels(self, classifier, pixels, datatype, nbytes):
+        if not getattr(pixels, "is_cuda", False):
+            raise ValueError("shared_memory='cuda' sends pixels that are already on a GPU: a torch CUDA tensor")
+        pixels = pixels.to(torch_dtype(datatype)).contiguous()
+        with self.request():
+            name, handle = self.regions.get("pixels", nbytes, pixels.device.index or 0)
+            self.regions.write(handle, [pixels])  # device to device, synchronized
+            inputs = [grpcclient.InferInput("PIXELS", list(pixels.shape), datatype)]
+            inputs[0].set_shared_memory(name, nbytes)
+            return _arrays(classifier._call(PIXELS_MODEL, inputs, _requested_outputs()))
+
+
+TRANSPORTS = {None: InMessages, "system": SystemShm, "cuda": CudaShm}
+
+
+def _image_batch(images: list[bytes]) -> np.ndarray:
+    return np.array([[image] for image in images], dtype=object)
+
+
+def _requested_outputs() -> list[grpcclient.InferRequestedOutput]:
+    return [grpcclient.InferRequestedOutput(name) for name in OUTPUTS]
+
+
+def _arrays(result: grpcclient.InferResult) -> dict[str, np.ndarray]:
+    return {name: result.as_numpy(name) for name in OUTPUTS}
 
 
 def _host_pixels(pixels, datatype: str) -> np.ndarray:
@@ -429,9 +340,9 @@ def _host_pixels(pixels, datatype: str) -> np.ndarray:
     if hasattr(pixels, "detach"):  # a torch tensor, anywhere
         import torch
 
-        tensor = pixels.detach().to("cpu", _torch_dtype(datatype)).contiguous()
+        tensor = pixels.detach().to("cpu", torch_dtype(datatype)).contiguous()
         return (tensor.view(torch.int16) if datatype == "BF16" else tensor).numpy()
-    return np.ascontiguousarray(pixels, dtype={"FP32": np.float32, "FP16": np.float16}[datatype])
+    return np.ascontiguousarray(pixels, dtype=numpy_dtype(datatype))
 
 
 def _text(label) -> str:

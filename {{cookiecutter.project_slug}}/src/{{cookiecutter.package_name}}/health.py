@@ -26,6 +26,9 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from PIL import Image
 
+from .model_repository import BLS_CALLS
+from .shm import remove_stale_regions
+
 DEAD_STUB = re.compile(r"Stub process '(?P<model>.+?)_\d+_\d+' is not healthy")
 STUB_COMMAND = "triton_python_b"  # the kernel's 15-character name of triton_python_backend_stub
 
@@ -84,7 +87,7 @@ class StubWatchdog(threading.Thread):
     `interval_s` the pipeline is probed too, and a model named dead in the answer is reloaded.
 
     With `server_pid`, every `clients_s` the server's system and CUDA shared-memory regions of dead clients are
-    unregistered and their /dev/shm files unlinked (client.remove_stale_regions: regions named by clients of this
+    unregistered and their /dev/shm files unlinked (shm.remove_stale_regions: regions named by clients of this
     PID namespace whose process is gone). A region a dead client's request still uses is left for the next round."""
 
     def __init__(
@@ -126,8 +129,6 @@ class StubWatchdog(threading.Thread):
         """Reload `models` and the BLS models that call them, all at once. On a GPU a request caught by a dead
         stub never ends in 2.51 (the server waits for the stub without a health check), and the caller's instance
         waits on it: only new caller stubs serve again."""
-        from .server import BLS_CALLS
-
         callers = sorted({c for c, called in BLS_CALLS.items() for m in models if m in called} - set(models))
         for model in models:
             self.log(f"watchdog: the stub of {model!r} {why}; reloading {', '.join([model, *callers])}")
@@ -152,8 +153,6 @@ class StubWatchdog(threading.Thread):
     def remove_dead_clients_regions(self) -> list[str]:
         """Unregister (and unlink) the shared-memory regions of this host's clients that died without closing them.
         Only with `server_pid`: a client's process is looked up on this host, so the server must be on it too."""
-        from .client import remove_stale_regions
-
         if self.server_pid is None:
             return []
         with grpcclient.InferenceServerClient(self.url) as client:

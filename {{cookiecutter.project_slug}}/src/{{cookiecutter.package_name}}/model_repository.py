@@ -1,20 +1,101 @@
-"""Read and rewrite the model repository's config.pbtxt files: the single source of the variant, weights, classes
-and top-k. Rewrites go through Triton's ModelConfig protobuf (text_format), never through string edits."""
+"""The model repository: its names, the Triton type table, and its config.pbtxt files, read and rewritten.
+
+The configs are the single source of the variant, weights, classes, top-k and max batch size. Rewrites go through
+Triton's ModelConfig protobuf (text_format), never through string edits. Imported inside the Python-backend stubs
+too (python_backend.py, for the type table): protobuf and tritonclient are imported only where a config is read.
+"""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
-from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from tritonclient.grpc import model_config_pb2
 
 LABELS_FILE = "labels.txt"  # resnet's LOGITS label_filename, in the resnet model directory
-TOP_K_OUTPUTS = ("SCORES", "CLASS_IDS", "LABELS")
+# The models clients call: `pipeline` (BLS), `ensemble` (the same steps, declared), `classify_pixels` (pixels in).
+ENTRY_MODELS = ("pipeline", "ensemble", "classify_pixels")
+PIXELS_MODEL = "classify_pixels"
+# What the entry models (and postprocess) answer: the top-k of each image.
+OUTPUTS = ("SCORES", "CLASS_IDS", "LABELS")
+# The BLS models and the models they call: a BLS model's instance holds the tensors of its calls too, in /dev/shm
+# (shm.dev_shm_bytes) and in the CUDA memory pool (server.cuda_pool_bytes); the watchdog reloads the callers of a
+# model whose stub died (health.py). A BLS call to a model not listed here logs a warning that says so, once per
+# stub (python_backend.Instance.infer, undeclared_call).
+BLS_CALLS = {"pipeline": ("preprocess", "resnet", "postprocess")}
+
+
+def undeclared_call(caller: str, called: str) -> str | None:
+    """What is wrong when the BLS model `caller` calls `called` and BLS_CALLS does not say so (None when it does)."""
+    if called in BLS_CALLS.get(caller, ()):
+        return None
+    return (
+        f"{caller} calls {called}, which BLS_CALLS in model_repository.py does not list for {caller}: add it there, "
+        f"or the CUDA memory pool and /dev/shm are sized without the tensors of that call, and the watchdog does not "
+        f"reload {caller} when a stub of {called} dies"
+    )
+
+
+class TritonType(NamedTuple):
+    bytes: int  # per element
+    torch: str  # the torch dtype, by name
+    numpy: str | None  # the numpy dtype, by name; None: numpy has none (BF16 travels as its raw 16-bit patterns)
+
+
+# The Triton type table, once. Keys are the protocol's datatypes (FP32); a config.pbtxt writes them TYPE_FP32.
+TRITON_TYPES = {
+    "BOOL": TritonType(1, "bool", "bool"),
+    "UINT8": TritonType(1, "uint8", "uint8"),
+    "INT8": TritonType(1, "int8", "int8"),
+    "UINT16": TritonType(2, "uint16", "uint16"),
+    "INT16": TritonType(2, "int16", "int16"),
+    "FP16": TritonType(2, "float16", "float16"),
+    "BF16": TritonType(2, "bfloat16", None),
+    "UINT32": TritonType(4, "uint32", "uint32"),
+    "INT32": TritonType(4, "int32", "int32"),
+    "FP32": TritonType(4, "float32", "float32"),
+    "UINT64": TritonType(8, "uint64", "uint64"),
+    "INT64": TritonType(8, "int64", "int64"),
+    "FP64": TritonType(8, "float64", "float64"),
+}
+
+
+def bytes_per_element(datatype: str) -> int:
+    """Bytes per element of a datatype, "FP32" or "TYPE_FP32" (KeyError for strings: they have no fixed size)."""
+    return TRITON_TYPES[datatype.removeprefix("TYPE_")].bytes
+
+
+def torch_dtype(datatype: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, TRITON_TYPES[datatype.removeprefix("TYPE_")].torch)
+
+
+def numpy_dtype(datatype: str) -> np.dtype:
+    import numpy as np
+
+    name = TRITON_TYPES[datatype.removeprefix("TYPE_")].numpy
+    if name is None:
+        raise KeyError(datatype)
+    return np.dtype(name)
+
+
+def tensor_datatype(tensor) -> str:
+    """The datatype of a config's input or output (a ModelInput/ModelOutput): "FP32", ..., "STRING"."""
+    from tritonclient.grpc import model_config_pb2
+
+    return model_config_pb2.DataType.Name(tensor.data_type).removeprefix("TYPE_")
 
 
 def load_config(model_dir: Path | str) -> model_config_pb2.ModelConfig:
     """Parse `<model_dir>/config.pbtxt` as Triton's ModelConfig protobuf (raises on any unknown field)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
     text = (Path(model_dir) / "config.pbtxt").read_text()
     return text_format.Parse(text, model_config_pb2.ModelConfig())
 
@@ -25,6 +106,8 @@ def save_config(model_dir: Path | str, config: model_config_pb2.ModelConfig) -> 
     The file's leading comment lines are kept; comments inside, and fields left at their default, are not
     (protobuf's text format drops both).
     """
+    from google.protobuf import text_format
+
     path = Path(model_dir) / "config.pbtxt"
     if load_config(model_dir) == config:
         return False
@@ -37,6 +120,11 @@ def save_config(model_dir: Path | str, config: model_config_pb2.ModelConfig) -> 
     tmp.write_text("".join(header) + text_format.MessageToString(config, use_short_repeated_primitives=True))
     tmp.replace(path)
     return True
+
+
+def load_configs(repository: Path | str) -> dict[str, model_config_pb2.ModelConfig]:
+    """{model name: its config} for every model of the repository."""
+    return {path.parent.name: load_config(path.parent) for path in Path(repository).glob("*/config.pbtxt")}
 
 
 def parameters(model_dir: Path | str) -> dict[str, str]:
@@ -89,7 +177,7 @@ def python_models(repository: Path | str) -> list[str]:
 
 
 def _entry_models(repository: Path) -> list[Path]:
-    return [repository / name for name in ("pipeline", "ensemble", "classify_pixels") if (repository / name).is_dir()]
+    return [repository / name for name in ENTRY_MODELS if (repository / name).is_dir()]
 
 
 def set_classes(repository: Path | str, classes: int, variant: str | None = None, k: int | None = None) -> None:
@@ -111,6 +199,6 @@ def set_classes(repository: Path | str, classes: int, variant: str | None = None
         for model_dir in [repository / "postprocess", *_entry_models(repository)]:
             config = load_config(model_dir)
             for out in config.output:
-                if out.name in TOP_K_OUTPUTS:
+                if out.name in OUTPUTS:
                     out.dims[:] = [k]
             save_config(model_dir, config)

@@ -18,6 +18,7 @@ Where MPS cannot run, the server runs without it and `status` says why in one li
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import pwd
@@ -40,6 +41,27 @@ QUIT_TIMEOUT_S = 3.0  # `quit` and the daemon's exit: at most this long before i
 # server. The shutdown budgets (compose stop_grace_period, the pod's terminationGracePeriodSeconds) include it.
 STOP_LIMIT_S = QUIT_TIMEOUT_S + 3
 SOCKET_PATH_MAX = 100  # a Unix socket path holds at most 107 bytes; the daemon's sockets live in the pipe dir
+
+
+def visible_gpus() -> list[int]:
+    """GPU ids the server will see, without initializing CUDA in this process."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:  # the server numbers the GPUs it is given from 0
+        return list(range(len([d for d in visible.split(",") if d.strip()])))
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    count = sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
+    return list(range(count))
+
+
+def terminate_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
 
 
 class MpsUnavailable(Exception):
@@ -235,8 +257,6 @@ class MpsDaemon:
             directory.mkdir(mode=0o700)
         owner = {"pid": os.getpid(), "start": _stat(os.getpid())[2]}
         (run_dir / "owner.json").write_text(json.dumps(owner))
-        from .server import _terminate_with_parent
-
         env = dict(os.environ, **{PIPE_ENV: str(run_dir / "pipe"), LOG_ENV: str(run_dir / "log")})
         with open(run_dir / "log" / "control-stdout.log", "wb") as out:
             process = subprocess.Popen(
@@ -246,7 +266,7 @@ class MpsDaemon:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C reaches serve, which stops the server first, then the daemon
-                preexec_fn=_terminate_with_parent,
+                preexec_fn=terminate_with_parent,
             )
         daemon = cls(run_dir, process, binary)
         (run_dir / "owner.json").write_text(json.dumps({**owner, "daemon_pid": process.pid}))

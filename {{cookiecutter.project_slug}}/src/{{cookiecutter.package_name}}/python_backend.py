@@ -23,7 +23,8 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack
 
-from .server import DEV_SHM_ADVICE, SHM_GROWTH_FAILED
+from .model_repository import torch_dtype, undeclared_call
+from .shm import DEV_SHM_ADVICE, SHM_GROWTH_FAILED
 from .stages import InvalidImage, Postprocess, read_labels
 
 # Triton 2.51 drops the error code of a BLS response (has_error() answers INTERNAL for everything), so an
@@ -37,14 +38,6 @@ class StageError(Exception):
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
-
-
-TORCH_DTYPES = {
-    "TYPE_FP32": torch.float32,
-    "TYPE_FP16": torch.float16,
-    "TYPE_BF16": torch.bfloat16,
-    "TYPE_INT64": torch.int64,
-}
 
 
 class Instance:
@@ -63,6 +56,7 @@ class Instance:
         # pb_utils.PreferredMemory exists only once the stub runs: never build one at import time.
         self.host_memory = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
         self.parameters = {k: v["string_value"] for k, v in self.config.get("parameters", {}).items()}
+        self.called: set[str] = set()  # the models this instance has made BLS calls to
 
     def bind(self) -> None:
         """Make this instance's GPU the calling thread's current CUDA device.
@@ -78,7 +72,7 @@ class Instance:
         """The torch dtype the config declares for input or output `name`."""
         for tensor in self.config["input"] + self.config["output"]:
             if tensor["name"] == name:
-                return TORCH_DTYPES[tensor["data_type"]]
+                return torch_dtype(tensor["data_type"])
         raise KeyError(f"{self.name} has no input or output named {name}")
 
     def to_torch(self, tensor: pb_utils.Tensor) -> torch.Tensor:
@@ -106,6 +100,10 @@ class Instance:
         `model_version` pins a version of the model (-1: the newest loaded one).
         """
         self.bind()
+        if model_name not in self.called:  # the first call to this model: is it in BLS_CALLS?
+            self.called.add(model_name)
+            if undeclared := undeclared_call(self.name, model_name):
+                pb_utils.Logger.log_warn(undeclared)
         request = pb_utils.InferenceRequest(
             model_name=model_name,
             model_version=model_version,

@@ -8,9 +8,9 @@ All get their flags from `server_flags()`, so what the tests exercise is what `d
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib.metadata
 import importlib.util
+import math
 import os
 import secrets
 import shutil
@@ -23,33 +23,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MAX_BATCH_SIZE = {{ cookiecutter.max_batch_size }}
+from . import mps
+from .admin_key import ADMIN_KEY_HEADER
+from .model_repository import BLS_CALLS, ENTRY_MODELS, bytes_per_element, load_configs, tensor_datatype
+from .mps import terminate_with_parent, visible_gpus
+from .shm import MiB, remove_stale_regions
+
 CONTAINER_TRITONSERVER = Path("/opt/tritonserver")  # the NGC image's server
-MiB = 1 << 20
 # Admin APIs that need the key; health, metadata and inference stay open. Clients send it as the header
-# `admin-key` over HTTP and `triton-grpc-protocol-admin-key` over gRPC.
+# `admin-key` over HTTP and `triton-grpc-protocol-admin-key` (ADMIN_KEY_HEADER) over gRPC.
 RESTRICTED_APIS = "model-repository,shared-memory,statistics,trace,logging"
-# What a request that did not fit in /dev/shm says, from the Python backend (its own words name only Docker's
-# --shm-size), from the pipeline, and from the client.
-DEV_SHM_ADVICE = (
-    "/dev/shm is too small for this request: give the server more shared memory (`docker run --shm-size`, compose "
-    "`shm_size` / TRITON_SHM_SIZE) or use fewer Python-backend instances or a smaller max batch; sizing rule: "
-    "docs/deployment.md (`{{ cookiecutter.project_slug }} serve --print-shm`)"
-)
-SHM_GROWTH_FAILED = "Failed to increase the shared memory pool size"
-
-
-def visible_gpus() -> list[int]:
-    """GPU ids the server will see, without initializing CUDA in this process."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:  # the server numbers the GPUs it is given from 0
-        return list(range(len([d for d in visible.split(",") if d.strip()])))
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    count = sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
-    return list(range(count))
 
 
 def free_port() -> int:
@@ -82,13 +65,9 @@ def cuda_pool_bytes(repository: Path | str, gpu: int = 0) -> int:
     instance count: an ensemble's step outputs still waiting in the next step's queue; a sustained ensemble load
     that outpaces its next step can still fill the pool (requests then slow down; they do not fail).
     """
-    import math
-
     from tritonclient.grpc import model_config_pb2
 
-    from .model_repository import load_config
-
-    configs = {p.parent.name: load_config(p.parent) for p in Path(repository).glob("*/config.pbtxt")}
+    configs = load_configs(repository)
 
     def gpu_bytes(config) -> int:  # one batch element's GPU tensors: every non-string input and output
         total = 0
@@ -100,7 +79,7 @@ def cuda_pool_bytes(repository: Path | str, gpu: int = 0) -> int:
                     f"{config.name}: {tensor.name} has a variable dim; the CUDA memory pool is sized from fixed dims "
                     "(server.cuda_pool_bytes)"
                 )
-            total += math.prod(tensor.dims) * BYTES_PER_ELEMENT[model_config_pb2.DataType.Name(tensor.data_type)]
+            total += math.prod(tensor.dims) * bytes_per_element(tensor_datatype(tensor))
         return total
 
     need = 0
@@ -138,7 +117,7 @@ class ServerSettings:
     shm_prefix: str = field(default_factory=lambda: f"{{ cookiecutter.package_name }}_{secrets.token_hex(4)}_")
     # The models clients call. Stopping unloads these first, so their in-flight requests (and the BLS calls
     # they still have to make) finish before the server stops taking requests.
-    entry_models: tuple[str, ...] = ("pipeline", "ensemble", "classify_pixels")
+    entry_models: tuple[str, ...] = ENTRY_MODELS
     # CUDA MPS for the server's GPU processes (mps.py): a private daemon per server wherever there is a GPU.
     mps: bool = True
 
@@ -150,7 +129,7 @@ class ServerSettings:
     @property
     def admin_headers(self) -> dict[str, str]:
         """gRPC headers that open the admin APIs."""
-        return {"triton-grpc-protocol-admin-key": self.admin_key}
+        return {ADMIN_KEY_HEADER: self.admin_key}
 
 
 def server_flags(settings: ServerSettings) -> list[str]:
@@ -169,7 +148,7 @@ def server_flags(settings: ServerSettings) -> list[str]:
         f"--exit-timeout-secs={settings.exit_timeout_s}",
         f"--log-verbose={settings.log_verbose}",
         # Each Python-backend stub talks to the server through a /dev/shm region that starts at this size
-        # (dev_shm_bytes() says how far the regions grow).
+        # (shm.dev_shm_bytes() says how far the regions grow).
         f"--backend-config=python,shm-default-byte-size={settings.shm_default_bytes}",
         f"--backend-config=python,shm-growth-byte-size={settings.shm_growth_bytes}",
         f"--backend-config=python,shm-region-prefix-name={settings.shm_prefix}",
@@ -180,67 +159,6 @@ def server_flags(settings: ServerSettings) -> list[str]:
     pools = {gpu: cuda_pool_bytes(settings.model_repository, gpu) for gpu in settings.gpus}
     flags += [f"--cuda-memory-pool-byte-size={gpu}:{size}" for gpu, size in pools.items()]
     return flags
-
-
-# Bytes per image a Python-backend stub holds in its /dev/shm region: every tensor it receives or sends that lives
-# in host memory (a GPU tensor crosses through the CUDA memory pool; only its handle is in /dev/shm). A BLS model
-# also holds the inputs and outputs of the models it calls (BLS_CALLS: in /dev/shm, and in the CUDA memory pool).
-BLS_CALLS = {"pipeline": ("preprocess", "resnet", "postprocess")}
-BYTES_PER_ELEMENT = {
-    **{f"TYPE_{kind}": 1 for kind in ("BOOL", "UINT8", "INT8")},
-    **{f"TYPE_{kind}": 2 for kind in ("UINT16", "INT16", "FP16", "BF16")},
-    **{f"TYPE_{kind}": 4 for kind in ("UINT32", "INT32", "FP32")},
-    **{f"TYPE_{kind}": 8 for kind in ("UINT64", "INT64", "FP64")},
-}
-
-
-def dev_shm_bytes(
-    repository: Path, gpus: int | None = None, image_bytes: int = 256 * 1024, label_bytes: int = 64, batches: int = 2
-) -> dict[str, tuple[int, int]]:
-    """How much /dev/shm the Python-backend models of a repository need: {model: (stubs, bytes per stub)}.
-
-    Each instance is a stub process with its own region: it starts at 16 MiB (shm-default-byte-size), grows in
-    16 MiB steps to hold what the stub has in flight, and never shrinks. In flight per stub: up to `batches` full
-    batches (max_batch_size images of `image_bytes` encoded bytes each) of the host-memory tensors it receives and
-    sends. Instances: `count` per GPU for KIND_GPU/KIND_AUTO on a GPU host, `count` for KIND_CPU.
-    """
-    from tritonclient.grpc import model_config_pb2
-
-    from .model_repository import load_config
-
-    gpus = len(visible_gpus()) if gpus is None else gpus
-    configs = {p.parent.name: load_config(p.parent) for p in Path(repository).glob("*/config.pbtxt")}
-
-    def per_image(config, on_gpu: bool) -> int:
-        total = 0
-        for tensor in [*config.input, *config.output]:
-            elements = 1
-            for dim in tensor.dims:
-                elements *= dim
-            if tensor.data_type == model_config_pb2.TYPE_STRING:
-                total += image_bytes if tensor.name == "IMAGE" else elements * label_bytes
-            elif not on_gpu:
-                total += elements * BYTES_PER_ELEMENT[model_config_pb2.DataType.Name(tensor.data_type)]
-        return total
-
-    need = {}
-    for name, config in sorted(configs.items()):
-        if config.backend != "python":
-            continue
-        stubs, on_gpu = 0, False
-        for group in config.instance_group or [model_config_pb2.ModelInstanceGroup()]:
-            count = group.count or 1
-            kind = model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind)
-            if kind != "KIND_CPU" and gpus:
-                stubs, on_gpu = stubs + count * (len(group.gpus) or gpus), True
-            else:
-                stubs += count
-        held = per_image(config, on_gpu) + sum(
-            per_image(configs[called], on_gpu) for called in BLS_CALLS.get(name, ()) if called in configs
-        )
-        batch_bytes = batches * max(1, config.max_batch_size) * held
-        need[name] = (stubs, max(16 * MiB, -(-batch_bytes // (16 * MiB)) * 16 * MiB))
-    return need
 
 
 def _cache_dir() -> Path:
@@ -332,14 +250,6 @@ def print_model_states(states: dict[str, str]) -> None:
     print("models:", ", ".join(f"{name} {state}" for name, state in states.items()), flush=True)
 
 
-def _terminate_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:
-        pass
-
-
 # How long a drained server may take to exit on its own after SIGTERM before its teardown is ended (stop()).
 TEARDOWN_GRACE_S = 3
 
@@ -372,8 +282,6 @@ class TritonServer:
 
     def start_mps(self) -> None:
         """The run's CUDA MPS daemon, where there is a GPU and MPS can run; `mps_status` says which (mps.py)."""
-        from . import mps
-
         if self.mps is None:
             self.mps, self.mps_status = mps.start(self.settings.gpus, enabled=self.settings.mps)
 
@@ -394,7 +302,7 @@ class TritonServer:
                 stdout=self.log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_terminate_with_parent,
+                preexec_fn=terminate_with_parent,
             )
         except BaseException:
             self.stop_mps()
@@ -507,8 +415,6 @@ class TritonServer:
         """A stub that died (killed, crashed) never unlinks its /dev/shm region, and after such a crash
         Triton 2.51 waits out its exit timeout instead of cleaning up: this server's prefix finds them.
         Shared-memory clients killed outright leave theirs too: those of processes that are gone go as well."""
-        from .client import remove_stale_regions
-
         for region in Path("/dev/shm").glob(self.settings.shm_prefix + "*"):
             region.unlink(missing_ok=True)
         remove_stale_regions()

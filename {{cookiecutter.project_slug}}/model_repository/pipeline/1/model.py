@@ -9,6 +9,7 @@ apart). Edit the routing here: this is the file to make yours.
 
 import triton_python_backend_utils as pb_utils
 
+from {{ cookiecutter.package_name }}.model_repository import OUTPUTS
 from {{ cookiecutter.package_name }}.python_backend import (
     Instance,
     batch_then_alone,
@@ -17,8 +18,6 @@ from {{ cookiecutter.package_name }}.python_backend import (
     split_responses,
     to_triton,
 )
-
-OUTPUTS = ["SCORES", "CLASS_IDS", "LABELS"]
 
 
 class TritonPythonModel:
