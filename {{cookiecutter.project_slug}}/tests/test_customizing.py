@@ -25,7 +25,17 @@ import pytest
 import torch
 import torchvision
 import tritonclient.grpc as grpcclient
-from conftest import EXTERNAL_GRPC_URL, PROJECT, TRITON_DTYPES, image_input, infer, local_server, make_image
+from conftest import (
+    EXTERNAL_GRPC_URL,
+    PROJECT,
+    TRITON_DTYPES,
+    assert_same_answers,
+    image_input,
+    infer,
+    local_server,
+    make_image,
+    outputs,
+)
 from PIL import Image
 from test_e2e import tolerance
 from tritonclient.grpc import model_config_pb2
@@ -171,8 +181,7 @@ def test_recipe_1_your_classifier_answers_with_your_labels(server, project, refe
     assert [[label.decode() for label in row] for row in labels] == [[MY_LABELS[i] for i in row] for row in class_ids]
     if (project / "model_repository" / "ensemble").is_dir():
         ensemble = infer(server.grpc_url, [image_input(images)], "ensemble")
-        np.testing.assert_allclose(ensemble.as_numpy("SCORES"), bls.as_numpy("SCORES"), atol=1e-5, rtol=0)
-        np.testing.assert_array_equal(ensemble.as_numpy("LABELS"), labels)
+        assert_same_answers(outputs(ensemble), outputs(bls), project / "model_repository")
 
 
 def test_recipe_2_the_gate_rejects_a_too_dark_image_alone(server, references):

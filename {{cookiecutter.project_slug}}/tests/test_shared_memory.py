@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from conftest import EXTERNAL_GRPC_URL, image_input, infer, make_image
+from conftest import EXTERNAL_GRPC_URL, assert_same_answers, image_input, infer, make_image
 from tritonclient.utils import InferenceServerException
 
 from {{ cookiecutter.package_name }}.client import ADMIN_KEY_HEADER, AdminKeyError, ImageClassifier, SharedMemoryFull
@@ -56,21 +56,24 @@ def client_files() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob(REGION_PREFIX + "*")}
 
 
-def same(a, b) -> None:
-    """Two answers of the same server to the same images: identical classes and labels, scores to float noise."""
-    assert [[p.class_id for p in row] for row in a] == [[p.class_id for p in row] for row in b]
-    assert [[p.label for p in row] for row in a] == [[p.label for p in row] for row in b]
-    np.testing.assert_allclose([[p.score for p in row] for row in a], [[p.score for p in row] for row in b], atol=1e-4)
+def same(a, b, repository: Path) -> None:
+    """Two answers of the same server to the same images (conftest.assert_same_answers)."""
+
+    def arrays(rows) -> dict:
+        fields = {"SCORES": "score", "CLASS_IDS": "class_id", "LABELS": "label"}
+        return {name: np.array([[getattr(p, field) for p in row] for row in rows]) for name, field in fields.items()}
+
+    assert_same_answers(arrays(a), arrays(b), repository, atol=1e-4)
 
 
 @pytest.mark.parametrize("n", [1, 16])
-def test_system_shared_memory_answers_as_grpc_and_leaves_nothing(server, admin_key, max_batch, n):
+def test_system_shared_memory_answers_as_grpc_and_leaves_nothing(server, admin_key, max_batch, model_repository, n):
     images = [make_image(300 + i, size=(320 + 8 * i, 240)) for i in range(min(n, max_batch))]
     with ImageClassifier(server.grpc_url) as plain:
         expected = plain.classify(images)
     with ImageClassifier(server.grpc_url, shared_memory="system", admin_key=admin_key) as client:
-        same(client.classify(images), expected)
-        same(client.classify(images[::-1])[::-1], expected)  # the region is reused
+        same(client.classify(images), expected, model_repository)
+        same(client.classify(images[::-1])[::-1], expected, model_repository)  # the region is reused
         names = set(client.region_names)
         assert names and names <= registered(server.grpc_url, admin_key)
         if not EXTERNAL_GRPC_URL:
