@@ -77,18 +77,14 @@ def run_point(url, admin_key, transport, jpegs, pixels, concurrency, seconds, wa
 def preprocessed(repository: Path, jpegs: list[bytes], device: str):
     """The pixels the server's preprocess model would make, here on `device`."""
     import torch
-    from tritonclient.grpc import model_config_pb2
 
-    from {{ cookiecutter.package_name }}.model_repository import load_config, parameters
+    from {{ cookiecutter.package_name }}.model_repository import parameters, pixels_dtype
     from {{ cookiecutter.package_name }}.stages import Preprocess
 
     params = parameters(repository / "preprocess")
-    (tensor,) = [t for t in load_config(repository / "preprocess").output if t.name == "PIXELS"]
-    types = {"TYPE_FP32": torch.float32, "TYPE_FP16": torch.float16, "TYPE_BF16": torch.bfloat16}
-    dtype = types[model_config_pb2.DataType.Name(tensor.data_type)]
     preprocess = Preprocess(
         torch.device(device),
-        dtype,
+        pixels_dtype(repository),
         resize=int(params["resize"]),
         crop=int(params["crop"]),
         max_pixels=int(params["max_image_pixels"]),

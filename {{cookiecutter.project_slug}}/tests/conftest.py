@@ -24,14 +24,13 @@ from tritonclient.grpc import model_config_pb2
 
 from {{ cookiecutter.package_name }}.client import ImageClassifier
 from {{ cookiecutter.package_name }}.model_repository import (
-    TRITON_TYPES,
     load_config,
     num_classes,
+    pixels_dtype,
     python_models,
     resnet_weights,
     set_instance_counts,
     top_k,
-    torch_dtype,
 )
 from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
 from {{ cookiecutter.package_name }}.stages import Reference
@@ -40,7 +39,6 @@ from {{ cookiecutter.package_name }}.weights import write_random
 PROJECT = Path(__file__).resolve().parents[1]
 EXTERNAL_GRPC_URL = os.environ.get("TRITON_GRPC_URL")
 EXTERNAL_REPOSITORY = os.environ.get("MODEL_REPOSITORY")
-TRITON_DTYPES = {f"TYPE_{name}": torch_dtype(name) for name in TRITON_TYPES}  # config data_type -> torch dtype
 
 
 def make_image(seed: int, size=(320, 240), mode="RGB", fmt="JPEG") -> bytes:
@@ -100,8 +98,7 @@ def assert_same_answers(a: dict, b: dict, repository: Path, atol: float = 1e-5) 
         for name in ("CLASS_IDS", "LABELS"):
             np.testing.assert_array_equal(a[name], b[name])
         return
-    pixels = next(o for o in load_config(repository / "preprocess").output if o.name == "PIXELS")
-    atol = 1e-3 if model_config_pb2.DataType.Name(pixels.data_type) == "TYPE_FP32" else 2e-2
+    atol = 1e-3 if pixels_dtype(repository) == torch.float32 else 2e-2
     np.testing.assert_allclose(a["SCORES"], b["SCORES"], atol=atol, rtol=0)
     for name in ("CLASS_IDS", "LABELS"):
         np.testing.assert_array_equal(np.asarray(a[name])[:, 0], np.asarray(b[name])[:, 0])
@@ -148,8 +145,7 @@ def reference(model_repository, server) -> Reference:
     if on_gpu and not torch.cuda.is_available():
         pytest.skip("the server preprocesses on a GPU; its reference needs CUDA here too")
     variant, weights = resnet_weights(model_repository)
-    pixels = next(o for o in load_config(model_repository / "preprocess").output if o.name == "PIXELS")
-    dtype = TRITON_DTYPES[model_config_pb2.DataType.Name(pixels.data_type)]
+    dtype = pixels_dtype(model_repository)
     return Reference(variant, weights, top_k(model_repository), device="cuda" if on_gpu else "cpu", dtype=dtype)
 
 

@@ -28,7 +28,6 @@ import tritonclient.grpc as grpcclient
 from conftest import (
     EXTERNAL_GRPC_URL,
     PROJECT,
-    TRITON_DTYPES,
     assert_same_answers,
     image_input,
     infer,
@@ -41,7 +40,7 @@ from test_e2e import tolerance
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
-from {{ cookiecutter.package_name }}.model_repository import BLS_CALLS, load_config, top_k
+from {{ cookiecutter.package_name }}.model_repository import BLS_CALLS, load_config, pixels_dtype, top_k
 from {{ cookiecutter.package_name }}.stages import Reference
 
 pytestmark = [
@@ -154,8 +153,7 @@ def references(project, server) -> dict[int, Reference]:
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         kinds = {group.kind for group in client.get_model_config("preprocess").config.instance_group}
     device = "cuda" if model_config_pb2.ModelInstanceGroup.KIND_GPU in kinds else "cpu"
-    pixels = next(o for o in load_config(repository / "preprocess").output if o.name == "PIXELS")
-    dtype = TRITON_DTYPES[model_config_pb2.DataType.Name(pixels.data_type)]
+    dtype = pixels_dtype(repository)
     weights = {v: repository / "resnet" / str(v) / "weights.pt" for v in (1, 2)}
     return {v: Reference("resnet18", w, top_k(repository), device=device, dtype=dtype) for v, w in weights.items()}
 

@@ -32,11 +32,17 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from conftest import PROJECT, TRITON_DTYPES, image_input, infer, make_image
+from conftest import PROJECT, image_input, infer, make_image
 from tritonclient.grpc import model_config_pb2
 
 from {{ cookiecutter.package_name }} import mps
-from {{ cookiecutter.package_name }}.model_repository import load_config, python_models, resnet_weights, top_k
+from {{ cookiecutter.package_name }}.model_repository import (
+    load_config,
+    pixels_dtype,
+    python_models,
+    resnet_weights,
+    top_k,
+)
 from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
 from {{ cookiecutter.package_name }}.stages import InvalidImage, Preprocess, Reference
 
@@ -388,8 +394,7 @@ def test_the_gpu_path_makes_no_device_to_host_copy(probed, model_repository):
 def gpu_reference(model_repository) -> Reference:
     """The same stages, weights and precision in-process on the same GPU."""
     variant, weights = resnet_weights(model_repository)
-    pixels = next(o for o in load_config(model_repository / "preprocess").output if o.name == "PIXELS")
-    dtype = TRITON_DTYPES[model_config_pb2.DataType.Name(pixels.data_type)]
+    dtype = pixels_dtype(model_repository)
     return Reference(variant, weights, top_k(model_repository), device="cuda:0", dtype=dtype)
 
 

@@ -150,6 +150,12 @@ def num_classes(repository: Path | str) -> int:
     return logits.dims[0]
 
 
+def pixels_dtype(repository: Path | str) -> torch.dtype:
+    """The torch dtype of preprocess's PIXELS output: the precision the ResNet runs in."""
+    (pixels,) = [o for o in load_config(Path(repository) / "preprocess").output if o.name == "PIXELS"]
+    return torch_dtype(tensor_datatype(pixels))
+
+
 def top_k(repository: Path | str) -> int:
     config = load_config(Path(repository) / "postprocess")
     return next(out.dims[0] for out in config.output if out.name == "SCORES")
