@@ -345,8 +345,8 @@ class TritonServer:
         A SIGTERM alone would fail them: once tritonserver shuts down it refuses every new request, the BLS
         calls of requests already inside the pipeline included. An entry model is drained when it has unloaded,
         or as soon as the first of its stubs has exited: Triton tears instances down only after the model's last
-        request is done, and in 2.51 one instance at a time, a second each (8 pipeline instances: 8 s), so the
-        rest of the pipeline's teardown overlaps the other models' after the SIGTERM.
+        request is done, and in 2.51 one instance at a time, a second each (16 pipeline instances: 16 s), so the
+        rest of the pipeline's teardown overlaps the other models' after the SIGTERM (and _stop_server ends it).
         """
         import tritonclient.grpc as grpcclient
 
