@@ -235,7 +235,7 @@ class Preprocess:
 
 
 def cap_gpu_memory(device: torch.device, cap_bytes: int, reclaim_at: float = 0.6) -> None:
-    """Bound this process's PyTorch memory on `device` at `cap_bytes`, so that it plateaus by design. For a
+    """Bound this process's PyTorch memory on `device` at `cap_bytes`, so that it cannot ratchet past it. For a
     process that runs one stage (a Triton instance), never for one that holds several (the in-process reference).
 
     Batches of varied sizes and images of varied shapes leave the caching allocator with cached blocks that fit

@@ -17,7 +17,7 @@ class TritonPythonModel:
             crop=int(params["crop"]),
             max_pixels=int(params["max_image_pixels"]),
         )
-        if self.instance.on_gpu:  # this process runs preprocess alone: its GPU memory plateaus at the stage's peak
+        if self.instance.on_gpu:  # this process runs preprocess alone: cap its GPU memory at the stage's peak
             peak = self.preprocess.peak_gpu_bytes(self.instance.config["max_batch_size"])
             cap_gpu_memory(self.instance.device, peak)
 
