@@ -98,6 +98,23 @@ class Preprocess:
         pixels = max_batch_size * 3 * self.crop**2 * (4 + 4 + 4 + self.dtype.itemsize)
         return (chunk + pixels) * 5 // 4
 
+    def own_gpu_memory(self, max_batch_size: int) -> None:
+        """For a process that runs this stage alone (a Triton instance): cap its GPU memory at the stage's peak
+        (`cap_gpu_memory` at `peak_gpu_bytes`), then reach that peak once, now, with the largest batches the stage
+        accepts: `max_batch_size` JPEGs that together fill the decode budget, then one of `max_pixels`.
+
+        Without the second step memory climbs under traffic in steps: each batch larger than any before makes the
+        caching allocator reserve bigger blocks and nvJPEG grow its own buffers (which the cap does not cover),
+        60-100 MiB at a time, until the worst batch has been seen (measured in an H200 soak). After it, later
+        batches fit in what is already held. It costs a second or so of load, and the instance holds its high-water
+        mark (about 1 GiB at the defaults) from the start instead of reaching it under traffic.
+        """
+        cap_gpu_memory(self.device, self.peak_gpu_bytes(max_batch_size))
+        each = self.decode_budget_pixels // max(1, max_batch_size)
+        self.batch([[_blank_jpeg(_four_by_three(min(each, self.max_pixels)))] * max_batch_size])
+        self.batch([[_blank_jpeg(_four_by_three(self.max_pixels))]])
+        torch.cuda.synchronize(self.device)
+
     def decode(self, data: bytes, fmt: str, width: int, height: int) -> torch.Tensor:
         """One encoded image -> uint8 [3, H, W] on the device. Raises InvalidImage."""
         encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -248,6 +265,12 @@ def cap_gpu_memory(device: torch.device, cap_bytes: int, reclaim_at: float = 0.6
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
     torch.cuda.memory._set_allocator_settings(f"garbage_collection_threshold:{reclaim_at}")
+
+
+def _four_by_three(pixels: int) -> tuple[int, int]:
+    """The largest 4:3 (width, height) with at most `pixels` pixels."""
+    height = max(1, int((pixels * 3 / 4) ** 0.5))
+    return max(1, min(pixels // height, height * 4 // 3)), height
 
 
 def _blank_jpeg(size=(64, 48)) -> bytes:

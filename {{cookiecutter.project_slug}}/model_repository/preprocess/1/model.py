@@ -3,7 +3,7 @@
 import triton_python_backend_utils as pb_utils
 
 from {{ cookiecutter.package_name }}.python_backend import Instance, error_response, exit_stub, to_triton
-from {{ cookiecutter.package_name }}.stages import Preprocess, cap_gpu_memory
+from {{ cookiecutter.package_name }}.stages import Preprocess
 
 
 class TritonPythonModel:
@@ -17,9 +17,8 @@ class TritonPythonModel:
             crop=int(params["crop"]),
             max_pixels=int(params["max_image_pixels"]),
         )
-        if self.instance.on_gpu:  # this process runs preprocess alone: cap its GPU memory at the stage's peak
-            peak = self.preprocess.peak_gpu_bytes(self.instance.config["max_batch_size"])
-            cap_gpu_memory(self.instance.device, peak)
+        if self.instance.on_gpu:  # this process runs preprocess alone: GPU memory capped, its peak held from load
+            self.preprocess.own_gpu_memory(self.instance.config["max_batch_size"])
 
     def execute(self, requests):
         # Strings cannot travel through DLPack: encoded images are read as numpy, on the CPU.
