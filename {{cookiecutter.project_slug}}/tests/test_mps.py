@@ -204,10 +204,10 @@ def test_no_mps_opts_out(fake_driver):
     assert not mps.run_root().exists()
 
 
-def test_no_control_binary(fake_driver):
+def test_no_control_binary(fake_driver, monkeypatch):
     (fake_driver / "nvidia-cuda-mps-control").unlink()
-    if mps.shutil.which(mps.CONTROL):
-        pytest.skip("this machine has a real nvidia-cuda-mps-control")
+    monkeypatch.setenv("PATH", str(fake_driver))  # the fake nvidia-smi alone: a GPU machine has the real control too
+    assert mps.shutil.which(mps.CONTROL) is None
     daemon, status = mps.start([0])
     assert daemon is None
     assert status.startswith("off: nvidia-cuda-mps-control is not installed") and "\n" not in status
@@ -473,3 +473,18 @@ def test_gpu_serve_stops_its_mps_daemon_and_no_mps_serves_without_it(tmp_path):
         assert mps.PIPE_ENV not in environ(stub)
         assert process_types().get(stub) == "C", process_types()
         stop(run)
+
+
+def test_the_shipped_counts_leave_mps_room_for_a_reload_and_more_are_warned_of(tmp_path):
+    """MPS takes 48 clients per GPU. The shipped counts need 47 at most: 25 stubs and tritonserver, then the
+    watchdog's largest reload (preprocess 6 and pipeline 16 new stubs beside the old, the dead one gone)."""
+    repository = tmp_path / "model_repository"
+    shutil.copytree(PROJECT / "model_repository", repository, ignore=shutil.ignore_patterns("*.pt"))
+    need, why = mps.clients_needed(repository)
+    print(f"\n{need} MPS clients: {why}")
+    assert need <= mps.MAX_CLIENTS and mps.clients_warning(repository, [0]) is None
+    set_instance_counts(repository, {"pipeline": 20})
+    warning = mps.clients_warning(repository, [0])
+    assert warning and warning.startswith("warning: GPU 0 may need") and "over the 48 MPS takes" in warning
+    assert "reload of preprocess and pipeline" in warning and "\n" not in warning
+    assert mps.clients_warning(repository, []) is None  # no GPU: no MPS

@@ -1,6 +1,7 @@
 """The bad day, against a real tritonserver over gRPC: bad input, load, leaks, overload, hot reload,
 admin keys, dead stubs and graceful shutdown. Every loop is bounded in count and time; loopback only."""
 
+import io
 import json
 import os
 import re
@@ -17,9 +18,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from conftest import EXTERNAL_GRPC_URL, image_input, infer, make_image, png_header
+from PIL import Image
 from tritonclient.utils import InferenceServerException
 
-from {{ cookiecutter.package_name }}.health import StubWatchdog, probe, stub_processes
+from {{ cookiecutter.package_name }}.health import REPLACED_GRACE_S, StubWatchdog, probe, stub_processes
 from {{ cookiecutter.package_name }}.model_repository import load_config, set_instance_counts
 from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
 
@@ -63,6 +65,26 @@ def shm_regions(server: TritonServer) -> dict[str, int]:
 
 def stub_pids(server: TritonServer, model: str) -> list[int]:
     return [pid for pid, name in stub_processes(server.process.pid).items() if name == model]
+
+
+def stub_counts(server: TritonServer) -> dict[str, int]:
+    """Live stubs per model."""
+    counts: dict[str, int] = {}
+    for name in stub_processes(server.process.pid).values():
+        if name is not None:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def configured_counts(server: TritonServer) -> dict[str, int]:
+    """The stubs each Python model of the server's repository should have (count x GPUs on a GPU)."""
+    per_device = max(1, len(server.settings.gpus))
+    counts = {}
+    for config_file in sorted(Path(server.settings.model_repository).glob("*/config.pbtxt")):
+        config = load_config(config_file.parent)
+        if config.backend == "python":
+            counts[config.name] = sum(g.count for g in config.instance_group) * per_device
+    return counts
 
 
 # ---------------------------------------------------------------- bad input, on the shared server
@@ -352,9 +374,68 @@ def test_dead_stubs_fail_their_requests_and_the_watchdog_heals_each_model(model_
             # bucket at load): the 30 s target holds on a CPU; a GPU gets 45 s.
             assert healed <= (45 if on_gpu else 30)
             assert subprocess.run(health, capture_output=True, timeout=120).returncode == 0
+        # No stub of a replaced version is left: each is a CUDA context and an MPS client on a GPU. The server
+        # unloads those versions on a CPU; on a GPU the watchdog ends what outlives its reload by the grace.
+        deadline = time.monotonic() + REPLACED_GRACE_S + 30
+        while stub_counts(own_server) != configured_counts(own_server) and time.monotonic() < deadline:
+            time.sleep(1)
+        print(f"stubs per model at the end: {stub_counts(own_server)}; {[line for line in logs if 'ended' in line]}")
+        assert stub_counts(own_server) == configured_counts(own_server)
     finally:
         watchdog.stop()
         started = time.monotonic()
         own_server.stop()
         print(f"stop after three stub crashes took {time.monotonic() - started:.1f} s")
     assert processes(own_server) == {} and shm_regions(own_server) == {}
+
+
+@local_server_only
+def test_the_watchdog_ends_the_stubs_of_a_replaced_version_that_outlive_it(own_server):
+    """On a GPU 2.51 does not finish unloading every version a watchdog reload replaces (measured on an H200: 5 of
+    16 old pipeline stubs and the old resnet stub beside the dead one lived on for minutes), and each stub left is
+    a CUDA context and an MPS client that crowds out the next reload's stubs. Here an old pipeline still busy
+    after a short grace stands in for those: the watchdog ends its stubs and does not take that for a crash, every
+    request ends (an answer, or an error naming the pipeline once its stub is gone), and the server serves on
+    with the stubs its configuration asks for. On a CPU the old pipeline is sure to outlive the grace: 96 images
+    of 27 MP take it over 10 s to decode; on a GPU milliseconds, and then it must have unloaded by itself."""
+    url, logs = own_server.grpc_url, []
+    watchdog = StubWatchdog(
+        url, own_server.settings.admin_headers, server_pid=own_server.process.pid, log=logs.append,
+        replaced_grace_s=1,
+    )  # fmt: skip
+    buffer = io.BytesIO()
+    Image.new("RGB", (6000, 4500), (90, 140, 200)).save(buffer, format="JPEG", quality=50)
+    large = buffer.getvalue()
+    old = set(stub_pids(own_server, "pipeline"))
+
+    def request(_):
+        try:
+            infer(url, [image_input([large] * 4)])
+            return "ok"
+        except InferenceServerException as exc:
+            return exc.message()
+
+    with ThreadPoolExecutor(24) as pool:
+        futures = [pool.submit(request, i) for i in range(24)]
+        time.sleep(1)  # all in the old pipeline: executing or queued
+        try:
+            watchdog.reload(["pipeline"], "is replaced (this test reloads it)")  # as the watchdog's own thread does
+            outlived = bool(old & set(stub_pids(own_server, "pipeline")))  # still busy: it stays past the grace
+            watchdog.start()
+            deadline = time.monotonic() + watchdog.replaced_grace_s + 20
+            while old & set(stub_pids(own_server, "pipeline")) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            outcomes = [f.result(timeout=120) for f in futures]
+            time.sleep(3)  # the watchdog's scans after those deaths: none may count as a crash
+        finally:
+            watchdog.stop()
+    print(f"\nold pipeline outlived the reload: {outlived}; outcomes {sorted(set(o[:100] for o in outcomes))}; {logs}")
+    assert not old & set(stub_pids(own_server, "pipeline")), "a stub of the replaced version is left"
+    assert outlived or own_server.settings.gpus, "on a CPU the old pipeline is still decoding after the reload"
+    if outlived:
+        assert any("stubs of replaced versions of pipeline" in line for line in logs), logs
+    assert all(o == "ok" or "pipeline" in o for o in outcomes), outcomes
+    assert not any("exited" in line or "not healthy" in line for line in logs), logs
+    assert stub_counts(own_server) == configured_counts(own_server)
+    for model in ("pipeline", "ensemble"):
+        assert probe(url, model) is None, model

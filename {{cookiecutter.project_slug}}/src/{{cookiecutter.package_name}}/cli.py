@@ -50,6 +50,7 @@ def start_server(args, settings, container: bool, started: float):
     here (--verbose: the log too)."""
     import subprocess
 
+    from . import mps
     from .console import LogPump, log_header
     from .server import TritonServer, _cache_dir
 
@@ -65,6 +66,8 @@ def start_server(args, settings, container: bool, started: float):
     print(f"starting tritonserver on {settings.model_repository} ({gpus})")
     server.start()
     print(f"CUDA MPS: {server.mps_status}")
+    if server.mps is not None and (warning := mps.clients_warning(settings.model_repository, settings.gpus)):
+        print(warning)
     if container:
         return server, None
     pump = LogPump(server.process.stdout, log_file, settings.gpus, args.verbose, started)

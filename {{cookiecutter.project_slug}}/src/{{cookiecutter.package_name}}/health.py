@@ -15,7 +15,9 @@ from __future__ import annotations
 import functools
 import io
 import json
+import os
 import re
+import signal
 import threading
 import time
 import uuid
@@ -30,6 +32,9 @@ from .model_repository import BLS_CALLS
 from .shm import remove_stale_regions
 
 DEAD_STUB = re.compile(r"Stub process '(?P<model>.+?)_\d+_\d+' is not healthy")
+# How long the stubs of a replaced version may outlive the reload that replaced them: longer than the pipeline's
+# BLS timeout (30 s), so that a request an old instance still holds gets its own answer or error first.
+REPLACED_GRACE_S = 40
 STUB_COMMAND = "triton_python_b"  # the kernel's 15-character name of triton_python_backend_stub
 
 
@@ -88,7 +93,13 @@ class StubWatchdog(threading.Thread):
 
     With `server_pid`, every `clients_s` the server's system and CUDA shared-memory regions of dead clients are
     unregistered and their /dev/shm files unlinked (shm.remove_stale_regions: regions named by clients of this
-    PID namespace whose process is gone). A region a dead client's request still uses is left for the next round."""
+    PID namespace whose process is gone). A region a dead client's request still uses is left for the next round.
+
+    With `server_pid`, the stubs of the versions a reload replaced are ended once they outlive it by
+    `replaced_grace_s`, or at once when another reload starts. Nothing sends them requests any more, but on a
+    GPU 2.51 never finishes unloading a version whose dead stub holds a request, and every stub left is a CUDA
+    context and an MPS client: measured on an H200 under MPS, a second reload soon after a first could not start
+    its stubs ("CUDA-capable device(s) is/are busy or unavailable") and left its model unavailable."""
 
     def __init__(
         self,
@@ -99,14 +110,18 @@ class StubWatchdog(threading.Thread):
         server_pid: int | None = None,
         scan_s: float = 1,
         clients_s: float = 5,
+        replaced_grace_s: float = REPLACED_GRACE_S,
     ):
         super().__init__(name="stub-watchdog", daemon=True)
         self.url, self.admin_headers, self.interval_s, self.log = url, admin_headers, interval_s, log
         self.server_pid, self.scan_s, self.clients_s = server_pid, scan_s, clients_s
+        self.replaced_grace_s = replaced_grace_s
         self.stopped = threading.Event()
         self.models: dict[int, str] = {}  # every stub seen alive: pid -> model
         self.reaped: set[int] = set()  # dead stubs already reloaded for
         self.zombies: set[int] = set()  # stubs seen exited and unreaped at the last scan
+        self.replaced: dict[int, float] = {}  # stubs of replaced versions -> when their reload ended
+        self.retry: set[str] = set()  # models whose reload failed: tried again at the next probe
         self.scan()
 
     def scan(self) -> list[str]:
@@ -117,7 +132,7 @@ class StubWatchdog(threading.Thread):
         for pid, model in stub_processes(self.server_pid).items():
             if model is not None:
                 self.models[pid] = model
-            elif pid in self.models and pid not in self.reaped:
+            elif pid in self.models and pid not in self.reaped and pid not in self.replaced:
                 zombies.add(pid)
                 if pid in self.zombies:  # still unreaped a scan later: not a stub the server is tearing down
                     self.reaped.add(pid)
@@ -133,16 +148,59 @@ class StubWatchdog(threading.Thread):
         for model in models:
             self.log(f"watchdog: the stub of {model!r} {why}; reloading {', '.join([model, *callers])}")
         if models:
+            self.end_replaced(at_once=True)  # room for the new stubs
+            old = self.live_stubs([*models, *callers])
             started = time.monotonic()
-            with grpcclient.InferenceServerClient(self.url) as client, ThreadPoolExecutor(4) as pool:
-                list(pool.map(lambda m: restart(client, m, self.admin_headers), [*models, *callers]))
+            try:
+                with grpcclient.InferenceServerClient(self.url) as client, ThreadPoolExecutor(4) as pool:
+                    list(pool.map(lambda m: restart(client, m, self.admin_headers), [*models, *callers]))
+            except Exception:
+                self.retry.update(models)  # a failed load leaves its model unavailable: not left like that
+                raise
+            finally:
+                self.replaced.update(dict.fromkeys(old, time.monotonic()))
             self.log(f"watchdog: reloaded {', '.join([*models, *callers])} in {time.monotonic() - started:.1f} s")
         return models
 
+    def live_stubs(self, models: list[str]) -> list[int]:
+        if self.server_pid is None:
+            return []
+        return [pid for pid, model in stub_processes(self.server_pid).items() if model in models]
+
+    def end_replaced(self, at_once: bool = False) -> list[int]:
+        """SIGKILL the stubs of replaced versions that are still alive `replaced_grace_s` after their reload (all
+        of them `at_once`). Returns their PIDs."""
+        if not self.replaced:
+            return []
+        alive = set(self.live_stubs(list(set(self.models.values()))))
+        now, ended = time.monotonic(), []
+        for pid, since in list(self.replaced.items()):
+            if pid not in alive:
+                self.replaced.pop(pid, None)  # its version unloaded (or it died): the server reaps it
+            elif at_once or now - since >= self.replaced_grace_s:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.reaped.add(pid)
+                self.replaced.pop(pid, None)
+                ended.append(pid)
+        if ended:
+            names = sorted({self.models.get(pid, "?") for pid in ended})
+            self.log(
+                f"watchdog: ended {len(ended)} stubs of replaced versions of {', '.join(names)} still alive after "
+                "their reload (2.51 does not finish unloading a version with a request on a dead stub)"
+            )
+        return ended
+
     def check(self, probe_too: bool = True) -> list[str]:
-        """Reload the models whose stubs died; then probe, reload what the answer names dead, probe again (a dead
-        stage can hide behind a dead pipeline). Returns the reloaded models."""
-        reloaded = self.reload(self.scan(), "exited")
+        """End what outlived its reload, reload the models whose stubs died; then (`probe_too`) retry the reloads
+        that failed, probe, reload what the answer names dead, probe again (a dead stage can hide behind a dead
+        pipeline). Returns the reloaded models."""
+        self.end_replaced()
+        retry, self.retry = (sorted(self.retry), set()) if probe_too else ([], self.retry)
+        reloaded = self.reload(retry, "was not replaced (its reload failed)") if retry else []
+        reloaded += self.reload([m for m in self.scan() if m not in reloaded], "exited")
         for _ in range(4 if probe_too else 0):
             dead = sorted(set(DEAD_STUB.findall(probe(self.url) or "")) - set(reloaded))
             if not dead:

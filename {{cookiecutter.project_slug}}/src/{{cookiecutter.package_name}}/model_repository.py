@@ -122,6 +122,18 @@ def save_config(model_dir: Path | str, config: model_config_pb2.ModelConfig) -> 
     return True
 
 
+def instances_on_gpu(config: model_config_pb2.ModelConfig, gpu: int = 0) -> int:
+    """How many instances of the model run on GPU `gpu`: the `count` of every instance_group that is not KIND_CPU
+    and lists no `gpus`, or lists this one (0 for an ensemble)."""
+    from tritonclient.grpc import model_config_pb2
+
+    if config.platform == "ensemble":
+        return 0
+    groups = config.instance_group or [model_config_pb2.ModelInstanceGroup()]
+    cpu = model_config_pb2.ModelInstanceGroup.KIND_CPU
+    return sum(g.count or 1 for g in groups if g.kind != cpu and (not g.gpus or gpu in g.gpus))
+
+
 def load_configs(repository: Path | str) -> dict[str, model_config_pb2.ModelConfig]:
     """{model name: its config} for every model of the repository."""
     return {path.parent.name: load_config(path.parent) for path in Path(repository).glob("*/config.pbtxt")}

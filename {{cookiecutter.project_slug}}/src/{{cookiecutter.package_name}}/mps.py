@@ -40,6 +40,9 @@ QUIT_TIMEOUT_S = 3.0  # `quit` and the daemon's exit: at most this long before i
 # The longest MpsDaemon.stop() takes: quit, then SIGTERM (1 s) and SIGKILL, then the same for a leftover MPS
 # server. The shutdown budgets (compose stop_grace_period, the pod's terminationGracePeriodSeconds) include it.
 STOP_LIMIT_S = QUIT_TIMEOUT_S + 3
+# MPS client contexts one GPU takes (NVIDIA's limit for Volta and later). A client past it fails to create its
+# context: "CUDA-capable device(s) is/are busy or unavailable".
+MAX_CLIENTS = 48
 SOCKET_PATH_MAX = 100  # a Unix socket path holds at most 107 bytes; the daemon's sockets live in the pipe dir
 
 
@@ -340,3 +343,32 @@ def start(gpus: list[int], enabled: bool = True) -> tuple[MpsDaemon | None, str]
     except Exception as exc:  # never worth failing the server for: it runs without MPS
         return None, f"off: could not start {CONTROL}: {exc!r}"
     return daemon, f"on (a private daemon, pid {daemon.pid}; --no-mps turns it off)"
+
+
+def clients_needed(repository: Path | str, gpu: int = 0) -> tuple[int, str]:
+    """The most MPS clients the repository's server takes on GPU `gpu`, and when: its stubs there, tritonserver,
+    and the largest watchdog reload (a model and the BLS models calling it start new stubs before the old ones go;
+    the dead stub is gone)."""
+    from .model_repository import BLS_CALLS, instances_on_gpu, load_configs
+
+    counts = {name: instances_on_gpu(config, gpu) for name, config in load_configs(repository).items()}
+    counts = {name: n for name, n in counts.items() if n}
+    reloads = {
+        name: [name, *sorted(c for c, called in BLS_CALLS.items() if name in called and c in counts)] for name in counts
+    }
+    name, models = max(reloads.items(), key=lambda item: sum(counts[m] for m in item[1]))
+    stubs, reload = sum(counts.values()), sum(counts[m] for m in models)
+    return stubs + 1 + reload - 1, f"{stubs} stubs and tritonserver, then a reload of {' and '.join(models)} ({reload})"
+
+
+def clients_warning(repository: Path | str, gpus: list[int]) -> str | None:
+    """One line when some GPU's MPS clients could pass MAX_CLIENTS (None when they cannot)."""
+    for gpu in gpus:
+        need, why = clients_needed(repository, gpu)
+        if need > MAX_CLIENTS:
+            return (
+                f"warning: GPU {gpu} may need {need} MPS clients ({why}), over the {MAX_CLIENTS} MPS takes: a reload "
+                'after a stub dies could not start its stubs. Fewer instances (docs/performance.md, "MPS clients") '
+                "or --no-mps."
+            )
+    return None

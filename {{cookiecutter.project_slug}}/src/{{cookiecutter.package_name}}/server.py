@@ -25,7 +25,14 @@ from pathlib import Path
 
 from . import mps
 from .admin_key import ADMIN_KEY_HEADER
-from .model_repository import BLS_CALLS, ENTRY_MODELS, bytes_per_element, load_configs, tensor_datatype
+from .model_repository import (
+    BLS_CALLS,
+    ENTRY_MODELS,
+    bytes_per_element,
+    instances_on_gpu,
+    load_configs,
+    tensor_datatype,
+)
 from .mps import terminate_with_parent, visible_gpus
 from .shm import MiB, remove_stale_regions
 
@@ -86,14 +93,8 @@ def cuda_pool_bytes(repository: Path | str, gpu: int = 0) -> int:
     for name, config in configs.items():
         if config.platform == "ensemble":
             continue
-        groups = config.instance_group or [model_config_pb2.ModelInstanceGroup()]
-        instances = sum(
-            group.count or 1
-            for group in groups
-            if group.kind != model_config_pb2.ModelInstanceGroup.KIND_CPU and (not group.gpus or gpu in group.gpus)
-        )
         held = gpu_bytes(config) + sum(gpu_bytes(configs[c]) for c in BLS_CALLS.get(name, ()) if c in configs)
-        need += instances * max(1, config.max_batch_size) * held
+        need += instances_on_gpu(config, gpu) * max(1, config.max_batch_size) * held
     return max(512 * MiB, -(-(need * 5 // 4) // (64 * MiB)) * 64 * MiB)
 
 
