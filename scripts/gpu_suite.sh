@@ -7,8 +7,8 @@
 #   scripts/gpu_suite.sh OUT 2               # the second call
 #   scripts/gpu_suite.sh --merge A.xml B.xml >docs/benchmarks/h200-suite-COMMIT.xml    # here: one JUnit file
 #
-# Part 1 is the reliability and shared-memory tests, part 2 every other test file (so a new one is never left
-# out). Each part writes OUT/suite-N.xml (JUnit) and OUT/suite-N.log (pytest -v -rs, the servers' logs on
+# Part 1 is the reliability tests (about 450 s on an H200), part 2 every other test file (about 450 s; so a new
+# one is never left out). Each part writes OUT/suite-N.xml (JUnit) and OUT/suite-N.log (pytest -v -rs, the servers' logs on
 # failure). `OUT 1 2` runs both side by side in one call, but on one H200 at the shipped counts that ran out of
 # GPU resources (servers of both parts loading at once: "unable to create stream: out of memory"), so run one
 # part per call there.
@@ -40,8 +40,8 @@ for wheel in ../whl/*.whl; do [[ -f $wheel ]] && pip install -q --no-deps --no-i
 image-classifier weights random >/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 # GPU tests first: should a part run out of time, what matters most has run.
-first=(tests/test_reliability.py tests/test_shared_memory.py)
-rest=(tests/test_gpu.py tests/test_mps.py)
+first=(tests/test_reliability.py)
+rest=(tests/test_gpu.py tests/test_mps.py tests/test_shared_memory.py)
 for f in tests/test_*.py; do [[ " ${first[*]} ${rest[*]} " == *" $f "* ]] || rest+=("$f"); done
 # pytest with Ctrl-C restored (a background job of a script ignores SIGINT): at SUITE_LIMIT_S it stops like a
 # Ctrl-C, stops its servers and still writes its JUnit XML for the tests that ran.

@@ -154,8 +154,11 @@ def test_cli_classify_over_system_shared_memory(server, admin_key, tmp_path):
 
 
 CLIENT = """
-import os, sys, time
+import os, signal, sys, time
 from conftest import make_image
+# Ctrl-C raises KeyboardInterrupt as in a terminal, even where this was started with SIGINT ignored (a script's
+# background job: `cmd &` in a script, a CI runner)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from {{ cookiecutter.package_name }}.health import probe
 from {{ cookiecutter.package_name }}.client import ImageClassifier
 

@@ -149,23 +149,33 @@ class StubWatchdog(threading.Thread):
             self.log(f"watchdog: the stub of {model!r} {why}; reloading {', '.join([model, *callers])}")
         if models:
             self.end_replaced(at_once=True)  # room for the new stubs
-            old = self.live_stubs([*models, *callers])
+            names = [*models, *callers]
+            old = self.live_stubs(names)
             started = time.monotonic()
-            try:
-                with grpcclient.InferenceServerClient(self.url) as client, ThreadPoolExecutor(4) as pool:
-                    list(pool.map(lambda m: restart(client, m, self.admin_headers), [*models, *callers]))
-            except Exception:
-                self.retry.update(models)  # a failed load leaves its model unavailable: not left like that
-                raise
-            finally:
-                self.replaced.update(dict.fromkeys(old, time.monotonic()))
-            self.log(f"watchdog: reloaded {', '.join([*models, *callers])} in {time.monotonic() - started:.1f} s")
+
+            def reload_one(model: str) -> Exception | None:
+                try:
+                    restart(client, model, self.admin_headers)
+                except Exception as exc:
+                    return exc
+                return None
+
+            with grpcclient.InferenceServerClient(self.url) as client, ThreadPoolExecutor(4) as pool:
+                errors = dict(zip(names, pool.map(reload_one, names)))
+            done = time.monotonic()
+            # the stubs of the versions replaced; a model whose load failed may still be served by its old ones
+            self.replaced.update({pid: done for pid, model in old.items() if errors[model] is None})
+            if failed := [model for model in names if errors[model] is not None]:
+                self.retry.update(failed)  # a failed load can leave its model unavailable: not left like that
+                raise errors[failed[0]]
+            self.log(f"watchdog: reloaded {', '.join(names)} in {done - started:.1f} s")
         return models
 
-    def live_stubs(self, models: list[str]) -> list[int]:
+    def live_stubs(self, models: list[str]) -> dict[int, str]:
+        """{pid: model} of the live stubs of `models`."""
         if self.server_pid is None:
-            return []
-        return [pid for pid, model in stub_processes(self.server_pid).items() if model in models]
+            return {}
+        return {pid: model for pid, model in stub_processes(self.server_pid).items() if model in models}
 
     def end_replaced(self, at_once: bool = False) -> list[int]:
         """SIGKILL the stubs of replaced versions that are still alive `replaced_grace_s` after their reload (all
