@@ -98,8 +98,9 @@ class StubWatchdog(threading.Thread):
     With `server_pid`, the stubs of the versions a reload replaced are ended once they outlive it by
     `replaced_grace_s`, or at once when another reload starts. Nothing sends them requests any more, but on a
     GPU 2.51 never finishes unloading a version whose dead stub holds a request, and every stub left is a CUDA
-    context and an MPS client: measured on an H200 under MPS, a second reload soon after a first could not start
-    its stubs ("CUDA-capable device(s) is/are busy or unavailable") and left its model unavailable."""
+    context and an MPS client: measured on an H200 under MPS, with 6 of them left a second reload soon after a
+    first could not start its stubs ("CUDA-capable device(s) is/are busy or unavailable", likely MPS's client
+    limit) and left its model unavailable."""
 
     def __init__(
         self,

@@ -40,8 +40,8 @@ QUIT_TIMEOUT_S = 3.0  # `quit` and the daemon's exit: at most this long before i
 # The longest MpsDaemon.stop() takes: quit, then SIGTERM (1 s) and SIGKILL, then the same for a leftover MPS
 # server. The shutdown budgets (compose stop_grace_period, the pod's terminationGracePeriodSeconds) include it.
 STOP_LIMIT_S = QUIT_TIMEOUT_S + 3
-# MPS client contexts one GPU takes (NVIDIA's limit for Volta and later). A client past it fails to create its
-# context: "CUDA-capable device(s) is/are busy or unavailable".
+# MPS client contexts one GPU takes (NVIDIA's documented limit for Volta and later). On an H200 a reload that would
+# have passed it could not create its stubs' contexts: "CUDA-capable device(s) is/are busy or unavailable".
 MAX_CLIENTS = 48
 SOCKET_PATH_MAX = 100  # a Unix socket path holds at most 107 bytes; the daemon's sockets live in the pipe dir
 
