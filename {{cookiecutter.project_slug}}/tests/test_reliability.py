@@ -441,4 +441,5 @@ def test_the_watchdog_ends_the_stubs_of_a_replaced_version_that_outlive_it(own_s
     assert not any("exited" in line or "not healthy" in line for line in logs), logs
     assert stub_counts(own_server) == configured_counts(own_server)
     for model in ("pipeline", "ensemble"):
-        assert probe(url, model) is None, model
+        if (Path(own_server.settings.model_repository) / model).is_dir():  # a bake may leave the ensemble out
+            assert probe(url, model) is None, model
