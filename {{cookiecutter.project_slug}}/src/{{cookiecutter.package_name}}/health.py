@@ -28,7 +28,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from PIL import Image
 
-from .model_repository import BLS_CALLS
+from .model_repository import bls_callers
 from .shm import remove_stale_regions
 
 DEAD_STUB = re.compile(r"Stub process '(?P<model>.+?)_\d+_\d+' is not healthy")
@@ -145,7 +145,7 @@ class StubWatchdog(threading.Thread):
         """Reload `models` and the BLS models that call them, all at once. On a GPU a request caught by a dead
         stub never ends in 2.51 (the server waits for the stub without a health check), and the caller's instance
         waits on it: only new caller stubs serve again."""
-        callers = sorted({c for c, called in BLS_CALLS.items() for m in models if m in called} - set(models))
+        callers = bls_callers(models)
         for model in models:
             self.log(f"watchdog: the stub of {model!r} {why}; reloading {', '.join([model, *callers])}")
         if models:
@@ -183,7 +183,7 @@ class StubWatchdog(threading.Thread):
         of them `at_once`). Returns their PIDs."""
         if not self.replaced:
             return []
-        alive = set(self.live_stubs(list(set(self.models.values()))))
+        alive = {pid for pid, model in stub_processes(self.server_pid).items() if model is not None}
         now, ended = time.monotonic(), []
         for pid, since in list(self.replaced.items()):
             if pid not in alive:

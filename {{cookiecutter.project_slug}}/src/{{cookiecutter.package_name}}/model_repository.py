@@ -29,6 +29,12 @@ OUTPUTS = ("SCORES", "CLASS_IDS", "LABELS")
 BLS_CALLS = {"pipeline": ("preprocess", "resnet", "postprocess")}
 
 
+def bls_callers(models: list[str]) -> list[str]:
+    """The BLS models that call any of `models`, none of `models` themselves: a reload of `models` takes them along
+    (their instances may be waiting on the old stubs)."""
+    return sorted({c for c, called in BLS_CALLS.items() for m in models if m in called} - set(models))
+
+
 def undeclared_call(caller: str, called: str) -> str | None:
     """What is wrong when the BLS model `caller` calls `called` and BLS_CALLS does not say so (None when it does)."""
     if called in BLS_CALLS.get(caller, ()):

@@ -349,14 +349,12 @@ def clients_needed(repository: Path | str, gpu: int = 0) -> tuple[int, str]:
     """The most MPS clients the repository's server takes on GPU `gpu`, and when: its stubs there, tritonserver,
     and the largest watchdog reload (a model and the BLS models calling it start new stubs before the old ones go;
     the dead stub is gone)."""
-    from .model_repository import BLS_CALLS, instances_on_gpu, load_configs
+    from .model_repository import bls_callers, instances_on_gpu, load_configs
 
     counts = {name: instances_on_gpu(config, gpu) for name, config in load_configs(repository).items()}
     counts = {name: n for name, n in counts.items() if n}
-    reloads = {
-        name: [name, *sorted(c for c, called in BLS_CALLS.items() if name in called and c in counts)] for name in counts
-    }
-    name, models = max(reloads.items(), key=lambda item: sum(counts[m] for m in item[1]))
+    reloads = [[name, *(c for c in bls_callers([name]) if c in counts)] for name in counts]
+    models = max(reloads, key=lambda models: sum(counts[m] for m in models))
     stubs, reload = sum(counts.values()), sum(counts[m] for m in models)
     return stubs + 1 + reload - 1, f"{stubs} stubs and tritonserver, then a reload of {' and '.join(models)} ({reload})"
 
