@@ -36,7 +36,9 @@ parts=("${@:2}")
 [[ ${#parts[@]} -gt 0 ]] || { echo "usage: $0 OUT 1|2 (or --merge A.xml B.xml)" >&2; exit 2; }
 cd "$here/../.gpu-bake/image-classifier"
 pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || pip install -q --no-deps -e .
-for wheel in ../whl/*.whl; do [[ -f $wheel ]] && pip install -q --no-deps --no-index "$wheel"; done  # gpu_bake.sh: ruff
+if [[ -f ../bin/ruff.xz ]]; then  # gpu_bake.sh: ruff, for the recipes' lint checks
+  xz -dc ../bin/ruff.xz >"$(dirname "$(command -v python3)")/ruff" && chmod +x "$(dirname "$(command -v python3)")/ruff"
+fi
 image-classifier weights random >/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 # GPU tests first: should a part run out of time, what matters most has run.
