@@ -88,6 +88,7 @@ src/image_classifier/python_backend.py
 src/image_classifier/server.py
 src/image_classifier/shm.py
 src/image_classifier/stages.py
+src/image_classifier/stub_deaths.py
 src/image_classifier/weights.py
 tests/conftest.py
 tests/test_cli.py

@@ -28,6 +28,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from PIL import Image
 
+from . import stub_deaths
 from .model_repository import bls_callers
 from .shm import remove_stale_regions
 
@@ -89,7 +90,8 @@ def restart(client: grpcclient.InferenceServerClient, model: str, admin_headers:
 class StubWatchdog(threading.Thread):
     """Reload each model whose stub died. With `server_pid` (a server on this host, as `serve` runs it) the
     stub processes are looked at every `scan_s`: a death is seen within that time, whatever requests do. Every
-    `interval_s` the pipeline is probed too, and a model named dead in the answer is reloaded.
+    `interval_s` the pipeline is probed too, and a model named dead in the answer is reloaded. A death seen in the
+    processes is recorded for the BLS callers first (stub_deaths): their calls waiting on it fail at once.
 
     With `server_pid`, every `clients_s` the server's system and CUDA shared-memory regions of dead clients are
     unregistered and their /dev/shm files unlinked (shm.remove_stale_regions: regions named by clients of this
@@ -123,6 +125,8 @@ class StubWatchdog(threading.Thread):
         self.zombies: set[int] = set()  # stubs seen exited and unreaped at the last scan
         self.replaced: dict[int, float] = {}  # stubs of replaced versions -> when their reload ended
         self.retry: set[str] = set()  # models whose reload failed: tried again at the next probe
+        if server_pid is not None:
+            stub_deaths.forget_stale()
         self.scan()
 
     def scan(self) -> list[str]:
@@ -211,13 +215,19 @@ class StubWatchdog(threading.Thread):
         self.end_replaced()
         retry, self.retry = (sorted(self.retry), set()) if probe_too else ([], self.retry)
         reloaded = self.reload(retry, "was not replaced (its reload failed)") if retry else []
-        reloaded += self.reload([m for m in self.scan() if m not in reloaded], "exited")
+        reloaded += self.reload(self.died([m for m in self.scan() if m not in reloaded]), "exited")
         for _ in range(4 if probe_too else 0):
             dead = sorted(set(DEAD_STUB.findall(probe(self.url) or "")) - set(reloaded))
             if not dead:
                 break
-            reloaded += self.reload(dead, "is not healthy")
+            reloaded += self.reload(self.died(dead), "is not healthy")
         return reloaded
+
+    def died(self, models: list[str]) -> list[str]:
+        """Record that `models` lost a stub, for the BLS calls that wait on them (stub_deaths): they give up now."""
+        for model in models if self.server_pid is not None else []:
+            stub_deaths.record(self.server_pid, model)
+        return models
 
     def remove_dead_clients_regions(self) -> list[str]:
         """Unregister (and unlink) the shared-memory regions of this host's clients that died without closing them.
@@ -247,3 +257,5 @@ class StubWatchdog(threading.Thread):
 
     def stop(self) -> None:
         self.stopped.set()
+        if self.server_pid is not None:
+            stub_deaths.forget(self.server_pid)

@@ -23,6 +23,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack
 
+from . import stub_deaths
 from .model_repository import torch_dtype, undeclared_call
 from .shm import DEV_SHM_ADVICE, SHM_GROWTH_FAILED
 from .stages import InvalidImage, Postprocess, read_labels
@@ -112,13 +113,11 @@ class Instance:
             preferred_memory=self.host_memory if on_host else self.preferred_memory,
             timeout=timeout_us,
         )
-        try:  # a stage whose stub died can leave a BLS call unanswered for good (2.51, on a GPU): give up in time
-            response = await asyncio.wait_for(request.async_exec(), timeout_us / 1e6 + 5 if timeout_us else None)
-        except asyncio.TimeoutError:
-            raise StageError(
-                f"{model_name}: no answer in {timeout_us / 1e6 + 5:.0f} s (a dead stub? `serve`'s watchdog reloads it)",
-                pb_utils.TritonError.UNAVAILABLE,
-            ) from None
+        deadline_s = timeout_us / 1e6 + 5 if timeout_us else None
+        try:  # a stage whose stub died can leave a call unanswered for good (2.51, on a GPU): stub_deaths.answer
+            response = await stub_deaths.answer(model_name, request.async_exec(), deadline_s)
+        except stub_deaths.NoAnswer as exc:
+            raise StageError(str(exc), pb_utils.TritonError.UNAVAILABLE) from None
         if response.has_error():
             message = response.error().message()
             code = pb_utils.TritonError.INVALID_ARG if INVALID_INPUT in message else response.error().code()
