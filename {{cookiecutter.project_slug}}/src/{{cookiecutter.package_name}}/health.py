@@ -90,8 +90,8 @@ def restart(client: grpcclient.InferenceServerClient, model: str, admin_headers:
 class StubWatchdog(threading.Thread):
     """Reload each model whose stub died. With `server_pid` (a server on this host, as `serve` runs it) the
     stub processes are looked at every `scan_s`: a death is seen within that time, whatever requests do. Every
-    `interval_s` the pipeline is probed too, and a model named dead in the answer is reloaded. A death seen in the
-    processes is recorded for the BLS callers first (stub_deaths): their calls waiting on it fail at once.
+    `interval_s` the pipeline is probed too, and a model named dead in the answer is reloaded. Each death found is
+    recorded for the BLS callers before the reload (stub_deaths): their calls waiting on it give up at once.
 
     With `server_pid`, every `clients_s` the server's system and CUDA shared-memory regions of dead clients are
     unregistered and their /dev/shm files unlinked (shm.remove_stale_regions: regions named by clients of this
