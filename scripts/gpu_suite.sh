@@ -37,7 +37,8 @@ parts=("${@:2}")
 cd "$here/../.gpu-bake/image-classifier"
 pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || pip install -q --no-deps -e .
 if [[ -f ../bin/ruff.xz ]]; then  # gpu_bake.sh: ruff, for the recipes' lint checks
-  xz -dc ../bin/ruff.xz >"$(dirname "$(command -v python3)")/ruff" && chmod +x "$(dirname "$(command -v python3)")/ruff"
+  ruff=$(dirname "$(command -v python3)")/ruff
+  xz -dc ../bin/ruff.xz >"$ruff" && chmod +x "$ruff"
 fi
 image-classifier weights random >/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

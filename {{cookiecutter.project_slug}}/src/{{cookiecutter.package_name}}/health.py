@@ -225,8 +225,9 @@ class StubWatchdog(threading.Thread):
 
     def died(self, models: list[str]) -> list[str]:
         """Record that `models` lost a stub, for the BLS calls that wait on them (stub_deaths): they give up now."""
-        for model in models if self.server_pid is not None else []:
-            stub_deaths.record(self.server_pid, model)
+        if self.server_pid is not None:
+            for model in models:
+                stub_deaths.record(self.server_pid, model)
         return models
 
     def remove_dead_clients_regions(self) -> list[str]:

@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .mps import alive
+
 PREFIX = "{{ cookiecutter.project_slug }}-stub-deaths-"
 POLL_S = 0.5  # how often a waiting BLS call looks for a death of the model it waits on
 
@@ -54,23 +56,23 @@ def forget_stale() -> None:
     """Remove the records of servers that no longer run (a watchdog that was killed left them)."""
     for path in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
         pid = path.name.removeprefix(PREFIX)
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if pid.isdigit() and not alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
 
 
 async def answer(model: str, call: asyncio.Future, deadline_s: float | None = None, server_pid: int | None = None):
     """The result of `call`, a BLS call to `model` (`request.async_exec()`); NoAnswer, and the call cancelled, as
     soon as a death of a stub of `model` is recorded after the call began, or after `deadline_s` at the latest."""
-    started = time.time()
+    started, waited = time.time(), 0.0
     while True:
-        waited = time.time() - started
         step = POLL_S if deadline_s is None else min(POLL_S, max(deadline_s - waited, 0))
         done, _ = await asyncio.wait([call], timeout=step)
         if done:
             return call.result()
+        waited = time.time() - started
         if died_since(model, started, server_pid):
             message = f"{model}: a stub of {model} died while this call waited; the watchdog reloads it"
-        elif deadline_s is not None and time.time() - started >= deadline_s:
+        elif deadline_s is not None and waited >= deadline_s:
             message = f"{model}: no answer in {deadline_s:.0f} s (a dead stub? `serve`'s watchdog reloads it)"
         else:
             continue
