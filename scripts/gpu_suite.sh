@@ -52,7 +52,7 @@ PYTEST='import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_
 run_part() {
   local files
   if [[ $1 == 1 ]]; then files=("${first[@]}"); else files=("${rest[@]}"); fi
-  PYTHONUNBUFFERED=1 timeout -s INT -k 60 "${SUITE_LIMIT_S:-480}" python3 -c "$PYTEST" -v -rs -p no:cacheprovider \
+  PYTHONUNBUFFERED=1 timeout -s INT -k 60 "${SUITE_LIMIT_S:-480}" python3 -c "$PYTEST" -v -rs -p no:cacheprovider -o junit_logging=system-out \
     "${files[@]}" --junitxml="$out/suite-$1.xml" >"$out/suite-$1.log" 2>&1
   echo "part $1: $(tail -n 1 "$out/suite-$1.log")"
 }

@@ -146,35 +146,43 @@ class StubWatchdog(threading.Thread):
         return sorted(dead)
 
     def reload(self, models: list[str], why: str) -> list[str]:
-        """Reload `models` and the BLS models that call them, all at once. On a GPU a request caught by a dead
-        stub never ends in 2.51 (the server waits for the stub without a health check), and the caller's instance
-        waits on it: only new caller stubs serve again."""
+        """Reload `models`, then the BLS models that call them. Served again once `models` are: a caller's call
+        that waited on the dead stub has given up meanwhile (stub_deaths). The callers follow because on a GPU
+        2.51 never answers such a call, so each caller instance keeps a thread waiting on it for good; their
+        reload comes second so that it does not slow the first (on an H200 under MPS, resnet's two stubs reloaded
+        beside the pipeline's sixteen reached their own setup only once the pipeline had loaded: 32 s in all)."""
         callers = bls_callers(models)
         for model in models:
-            self.log(f"watchdog: the stub of {model!r} {why}; reloading {', '.join([model, *callers])}")
+            also = f", then its callers {', '.join(callers)}" if callers else ""
+            self.log(f"watchdog: the stub of {model!r} {why}; reloading {model}{also}")
         if models:
             self.end_replaced(at_once=True)  # room for the new stubs
-            names = [*models, *callers]
-            old = self.live_stubs(names)
-            started = time.monotonic()
-
-            def reload_one(model: str) -> Exception | None:
-                try:
-                    restart(client, model, self.admin_headers)
-                except Exception as exc:
-                    return exc
-                return None
-
-            with grpcclient.InferenceServerClient(self.url) as client, ThreadPoolExecutor(4) as pool:
-                errors = dict(zip(names, pool.map(reload_one, names)))
-            done = time.monotonic()
-            # the stubs of the versions replaced; a model whose load failed may still be served by its old ones
-            self.replaced.update({pid: done for pid, model in old.items() if errors[model] is None})
-            if failed := [model for model in names if errors[model] is not None]:
-                self.retry.update(failed)  # a failed load can leave its model unavailable: not left like that
-                raise errors[failed[0]]
-            self.log(f"watchdog: reloaded {', '.join(names)} in {done - started:.1f} s")
+            self.replace(models)
+            if callers:
+                self.replace(callers, " (calling the reloaded)")
         return models
+
+    def replace(self, names: list[str], what: str = "") -> None:
+        """Reload `names` at once with new stubs; the old ones are ended if they outlive the grace."""
+        old = self.live_stubs(names)
+        started = time.monotonic()
+
+        def reload_one(model: str) -> Exception | None:
+            try:
+                restart(client, model, self.admin_headers)
+            except Exception as exc:
+                return exc
+            return None
+
+        with grpcclient.InferenceServerClient(self.url) as client, ThreadPoolExecutor(4) as pool:
+            errors = dict(zip(names, pool.map(reload_one, names)))
+        done = time.monotonic()
+        # the stubs of the versions replaced; a model whose load failed may still be served by its old ones
+        self.replaced.update({pid: done for pid, model in old.items() if errors[model] is None})
+        if failed := [model for model in names if errors[model] is not None]:
+            self.retry.update(failed)  # a failed load can leave its model unavailable: not left like that
+            raise errors[failed[0]]
+        self.log(f"watchdog: reloaded {', '.join(names)}{what} in {done - started:.1f} s")
 
     def live_stubs(self, models: list[str]) -> dict[int, str]:
         """{pid: model} of the live stubs of `models`."""

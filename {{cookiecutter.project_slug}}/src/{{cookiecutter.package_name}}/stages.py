@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -335,6 +336,7 @@ class Classifier:
         image_size: int = 224,
         num_classes: int | None = None,
     ):
+        started = time.monotonic()
         self.device = torch.device(device)
         self.dtype = torch.float32 if (self.device.type == "cpu" and dtype == torch.float16) else dtype
         self.memory_format = torch.channels_last if self.device.type == "cuda" else torch.contiguous_format
@@ -342,10 +344,13 @@ class Classifier:
         self.model = model.to(self.device, self.dtype, memory_format=self.memory_format)
         self.buckets = batch_buckets(max_batch_size)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.load_seconds = {"built": time.monotonic() - started}
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # a few shapes only: pick each one's fastest kernels once
             if cuda_graphs:
                 self._capture(image_size)
+        # for the server log: a model's load (and so a watchdog reload) waits for these steps
+        self.load_report = ", ".join(f"{step} in {seconds:.1f} s" for step, seconds in self.load_seconds.items())
 
     @torch.inference_mode()
     def _capture(self, image_size: int) -> None:
@@ -353,18 +358,23 @@ class Classifier:
         self.static_input = torch.zeros(shape, dtype=self.dtype, device=self.device).contiguous(
             memory_format=self.memory_format
         )
+        started = time.monotonic()
         side = torch.cuda.Stream(self.device)  # warm up (cuDNN autotuning) off the default stream, as capture needs
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for size in self.buckets:
                 self.model(self.static_input[:size])
         torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        self.load_seconds[f"{len(self.buckets)} batch sizes autotuned"] = time.monotonic() - started
+        started = time.monotonic()
         pool = torch.cuda.graph_pool_handle()  # the graphs share one memory pool, largest captured first
         for size in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.model(self.static_input[:size]).float()
             self.graphs[size] = (graph, logits)
+        self.load_seconds["captured as CUDA graphs"] = time.monotonic() - started
 
     @torch.inference_mode()
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:

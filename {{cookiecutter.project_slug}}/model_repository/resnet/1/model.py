@@ -29,6 +29,7 @@ class TritonPythonModel:
             cuda_graphs=params["cuda_graphs"] == "true",
             num_classes=classes,
         )
+        pb_utils.Logger.log_info(f"{args['model_instance_name']}: {self.classifier.load_report}")
 
     def execute(self, requests):
         # One forward pass for every request the dynamic batcher gathered.
