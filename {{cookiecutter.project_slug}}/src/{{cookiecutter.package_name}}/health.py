@@ -179,6 +179,9 @@ class StubWatchdog(threading.Thread):
         done = time.monotonic()
         # the stubs of the versions replaced; a model whose load failed may still be served by its old ones
         self.replaced.update({pid: done for pid, model in old.items() if errors[model] is None})
+        # the new stubs, as seen alive: a death is only counted for a stub seen alive, and the next scan is a
+        # second away (measured on an H200: a pipeline stub killed within it was found 80 s later, by a probe)
+        self.models.update(self.live_stubs(names))
         if failed := [model for model in names if errors[model] is not None]:
             self.retry.update(failed)  # a failed load can leave its model unavailable: not left like that
             raise errors[failed[0]]
