@@ -7,9 +7,10 @@
 #   scripts/gpu_suite.sh OUT 2               # the second call
 #   scripts/gpu_suite.sh --merge A.xml B.xml >docs/benchmarks/h200-suite-COMMIT.xml    # here: one JUnit file
 #
-# Part 1 is the reliability tests (about 450 s on an H200), part 2 every other test file (about 450 s; so a new
-# one is never left out). Each part writes OUT/suite-N.xml (JUnit) and OUT/suite-N.log (pytest -v -rs, the servers' logs on
-# failure). `OUT 1 2` runs both side by side in one call, but on one H200 at the shipped counts that ran out of
+# Part 1 is the reliability tests (320-410 s on an H200), part 2 every other test file (340-400 s; so a new one is
+# never left out). Each part stops like a Ctrl-C at SUITE_LIMIT_S (default 540 s, so that a call of 598 s has room
+# to install, stop the servers and write) and writes OUT/suite-N.xml (JUnit, with each test's output) and
+# OUT/suite-N.log (pytest -v -rs, the servers' logs on failure). `OUT 1 2` runs both side by side in one call, but on one H200 at the shipped counts that ran out of
 # GPU resources (servers of both parts loading at once: "unable to create stream: out of memory"), so run one
 # part per call there.
 set -uo pipefail
@@ -52,7 +53,7 @@ PYTEST='import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_
 run_part() {
   local files
   if [[ $1 == 1 ]]; then files=("${first[@]}"); else files=("${rest[@]}"); fi
-  PYTHONUNBUFFERED=1 timeout -s INT -k 60 "${SUITE_LIMIT_S:-480}" python3 -c "$PYTEST" -v -rs -p no:cacheprovider -o junit_logging=system-out \
+  PYTHONUNBUFFERED=1 timeout -s INT -k 60 "${SUITE_LIMIT_S:-540}" python3 -c "$PYTEST" -v -rs -p no:cacheprovider -o junit_logging=system-out \
     "${files[@]}" --junitxml="$out/suite-$1.xml" >"$out/suite-$1.log" 2>&1
   echo "part $1: $(tail -n 1 "$out/suite-$1.log")"
 }
