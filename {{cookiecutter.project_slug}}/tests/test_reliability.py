@@ -365,42 +365,6 @@ def test_a_bls_call_waiting_on_a_model_gives_up_once_a_death_of_its_stub_is_reco
     assert not stub_deaths.folder(server).exists()
 
 
-def test_an_execute_on_its_bls_thread_is_given_up_once_its_call_waits_on_a_dead_stub(tmp_path, monkeypatch):
-    """stub_deaths.Caller, as the pipeline's execute uses it (python_backend.Instance.serve): the stages run on
-    the Caller's thread, each BLS call blocking there; the waiting thread gives the execute up within a poll of a
-    death recorded for the model the call in progress waits on, or at its deadline; a finished execute returns
-    its result at once; a death of a model no call waits on gives nothing up."""
-    import threading
-
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr(stub_deaths.tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
-    server = os.getpid()
-    never = threading.Event()  # a BLS call that never ends: what a GPU server does with a request a dead stub held
-
-    async def stages(caller, calls):
-        assert caller.on_its_thread()
-        return [caller.call(model, exec_, deadline_s) for model, exec_, deadline_s in calls]
-
-    def run(calls, record=None, after_s=0.2):
-        caller = stub_deaths.Caller(server_pid=server)
-        if record:
-            threading.Timer(after_s, stub_deaths.record, (server, record)).start()
-        started = time.monotonic()
-        try:
-            return caller.run(stages(caller, calls)), time.monotonic() - started
-        except stub_deaths.NoAnswer as exc:
-            return str(exc), time.monotonic() - started
-
-    assert not stub_deaths.Caller(server_pid=server).on_its_thread()
-    result, took = run([("preprocess", lambda: "pixels", None), ("resnet", lambda: "logits", 5)])
-    assert result == ["pixels", "logits"] and took < 0.2, took  # answered: no poll in the way
-    result, took = run([("preprocess", lambda: "pixels", None), ("resnet", never.wait, None)], record="resnet")
-    assert result.startswith("resnet: a stub of resnet died") and took < 0.2 + stub_deaths.POLL_S + 0.3, took
-    result, took = run([("preprocess", lambda: "pixels", None), ("resnet", never.wait, 1)], record="preprocess")
-    assert result.startswith("resnet: no answer in 1 s") and 1 <= took < 1.6, (result, took)
-    stub_deaths.forget(server)
-
-
 @local_server_only
 def test_dead_stubs_fail_their_requests_and_the_watchdog_heals_each_model(model_repository, tmp_path):
     """Triton 2.51 keeps reporting ready with a dead stub. `serve`'s watchdog (run here as serve runs it) sees the

@@ -58,30 +58,14 @@ class Instance:
         self.host_memory = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
         self.parameters = {k: v["string_value"] for k, v in self.config.get("parameters", {}).items()}
         self.called: set[str] = set()  # the models this instance has made BLS calls to
-        self.caller: stub_deaths.Caller | None = None  # the thread `serve` runs the BLS calls on
-
-    def serve(self, handler, requests: list) -> list:
-        """The responses of `await handler(requests)`, an execute() whose stages are BLS calls (`infer`), run on
-        this instance's BLS thread (stub_deaths.Caller: no thread hop per call) while this thread waits. If a call
-        there waits on a stage whose stub died (recorded by `serve`'s watchdog) or past its deadline, every request
-        answers UNAVAILABLE naming the stage, and the next execute gets a new thread: the old one waits for good.
-        A model with its own `async def execute` may call `infer` too (an executor thread per call, then)."""
-        if self.caller is None:
-            self.caller = stub_deaths.Caller()
-        try:
-            return self.caller.run(handler(requests))
-        except stub_deaths.NoAnswer as exc:
-            self.caller = None
-            error = StageError(str(exc), pb_utils.TritonError.UNAVAILABLE)
-            return [error_response(error) for _ in requests]
 
     def bind(self) -> None:
         """Make this instance's GPU the calling thread's current CUDA device.
 
-        BLS calls run on a thread of their own (`serve`; the stub runs an `async def execute` on an event-loop
-        thread of its own), where the current device is still cuda:0: without this, an instance on cuda:1 would
-        create a CUDA context, streams and DLPack synchronization on cuda:0 (the same class of bug as Triton
-        server issue #6783)."""
+        The stub runs an `async def execute` on an event-loop thread of its own, where the current device is
+        still cuda:0: without this, an instance on cuda:1 would create a CUDA context, streams and DLPack
+        synchronization on cuda:0 (the same class of bug as Triton server issue #6783).
+        """
         if self.on_gpu and torch.cuda.current_device() != self.device.index:
             torch.cuda.set_device(self.device)
 
@@ -129,16 +113,11 @@ class Instance:
             preferred_memory=self.host_memory if on_host else self.preferred_memory,
             timeout=timeout_us,
         )
-        # A stage whose stub died can leave a call unanswered for good (2.51, on a GPU): the call is given up once
-        # `serve`'s watchdog has recorded the death, or at this deadline.
         deadline_s = timeout_us / 1e6 + 5 if timeout_us else None
-        if self.caller is not None and self.caller.on_its_thread():  # in `serve`: its thread gives the call up
-            response = self.caller.call(model_name, request.exec, deadline_s)
-        else:
-            try:
-                response = await stub_deaths.answer(model_name, request.async_exec(), deadline_s)
-            except stub_deaths.NoAnswer as exc:
-                raise StageError(str(exc), pb_utils.TritonError.UNAVAILABLE) from None
+        try:  # a stage whose stub died can leave a call unanswered for good (2.51, on a GPU): stub_deaths.answer
+            response = await stub_deaths.answer(model_name, request.async_exec(), deadline_s)
+        except stub_deaths.NoAnswer as exc:
+            raise StageError(str(exc), pb_utils.TritonError.UNAVAILABLE) from None
         if response.has_error():
             message = response.error().message()
             code = pb_utils.TritonError.INVALID_ARG if INVALID_INPUT in message else response.error().code()

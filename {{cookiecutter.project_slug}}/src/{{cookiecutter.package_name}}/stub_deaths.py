@@ -11,11 +11,9 @@ process's PID (the stubs' parent) in the temporary directory they share (the ser
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import os
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -62,66 +60,21 @@ def forget_stale() -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def why_given_up(model: str, since: float, deadline_s: float | None, server_pid: int | None = None) -> str | None:
-    """Why a BLS call to `model` that began at `since` (time.time()) is given up, or None while it may wait on."""
-    if died_since(model, since, server_pid):
-        return f"{model}: a stub of {model} died while this call waited; the watchdog reloads it"
-    if deadline_s is not None and time.time() - since >= deadline_s:
-        return f"{model}: no answer in {deadline_s:.0f} s (a dead stub? `serve`'s watchdog reloads it)"
-    return None
-
-
 async def answer(model: str, call: asyncio.Future, deadline_s: float | None = None, server_pid: int | None = None):
     """The result of `call`, a BLS call to `model` (`request.async_exec()`); NoAnswer, and the call cancelled, as
     soon as a death of a stub of `model` is recorded after the call began, or after `deadline_s` at the latest."""
-    started = time.time()
+    started, waited = time.time(), 0.0
     while True:
-        step = POLL_S if deadline_s is None else min(POLL_S, max(deadline_s - (time.time() - started), 0))
+        step = POLL_S if deadline_s is None else min(POLL_S, max(deadline_s - waited, 0))
         done, _ = await asyncio.wait([call], timeout=step)
         if done:
             return call.result()
-        if message := why_given_up(model, started, deadline_s, server_pid):
-            call.cancel()
-            raise NoAnswer(message)
-
-
-class Caller:
-    """An execute()'s coroutine on an event loop of its own thread, where its BLS calls block (`request.exec()`,
-    no thread hop per call), while the stub's thread waits for the responses: that thread gives the execute up
-    (NoAnswer) once the call in progress waits on a model that lost a stub meanwhile, or past the call's deadline.
-
-    Measured on an H200, the pipeline's own time per one-image execute was 5.26 ms with `async def execute` and
-    `await request.async_exec()` (an executor thread per call), 3.98 ms with the calls blocking on one event-loop
-    thread. A Caller given up keeps its thread waiting on the dead stub for good: take a new one."""
-
-    def __init__(self, server_pid: int | None = None):
-        self.loop = asyncio.new_event_loop()
-        self.server_pid = server_pid
-        self.waiting: tuple[str, float, float | None] | None = None  # the call in progress: model, since, deadline
-        threading.Thread(target=self.loop.run_forever, name="bls-calls", daemon=True).start()
-
-    def on_its_thread(self) -> bool:
-        try:
-            return asyncio.get_running_loop() is self.loop
-        except RuntimeError:
-            return False
-
-    def call(self, model: str, exec_, deadline_s: float | None = None):
-        """`exec_()`, a blocking BLS call to `model`, on this Caller's thread (in the coroutine `run` was given)."""
-        self.waiting = (model, time.time(), deadline_s)
-        try:
-            return exec_()
-        finally:
-            self.waiting = None
-
-    def run(self, coroutine):
-        """The result of `coroutine`, run on this Caller's thread; NoAnswer as soon as its call in progress is
-        given up (stub_deaths.why_given_up)."""
-        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-        while True:
-            try:
-                return future.result(timeout=POLL_S)
-            except concurrent.futures.TimeoutError:
-                pass
-            if (waiting := self.waiting) and (message := why_given_up(*waiting, self.server_pid)):
-                raise NoAnswer(message)
+        waited = time.time() - started
+        if died_since(model, started, server_pid):
+            message = f"{model}: a stub of {model} died while this call waited; the watchdog reloads it"
+        elif deadline_s is not None and waited >= deadline_s:
+            message = f"{model}: no answer in {deadline_s:.0f} s (a dead stub? `serve`'s watchdog reloads it)"
+        else:
+            continue
+        call.cancel()
+        raise NoAnswer(message)

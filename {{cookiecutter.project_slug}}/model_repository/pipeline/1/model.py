@@ -28,10 +28,7 @@ class TritonPythonModel:
         if self.instance.parameters["postprocess"] == "in_process":
             self.postprocess = load_postprocess(self.instance, args)
 
-    def execute(self, requests):
-        return self.instance.serve(self.stages, requests)  # on a thread that gives up on a stage whose stub died
-
-    async def stages(self, requests):
+    async def execute(self, requests):
         images = [pb_utils.get_input_tensor_by_name(request, "IMAGE") for request in requests]
         pixels = await batch_then_alone(self.preprocess, images)  # one call; a bad image fails its own request only
         results = await pixels.then(self.classify)  # resnet and the top-k, once for every request still served
