@@ -369,10 +369,9 @@ def test_a_bls_call_waiting_on_a_model_gives_up_once_a_death_of_its_stub_is_reco
 def test_dead_stubs_fail_their_requests_and_the_watchdog_heals_each_model(model_repository, tmp_path):
     """Triton 2.51 keeps reporting ready with a dead stub. `serve`'s watchdog (run here as serve runs it) sees the
     dead process within a second and reloads its model, then the BLS models calling it: served again within 30 s
-    of the kill, once the model itself is reloaded. On a
-    CPU a request caught by the dead stub fails within 2 s naming its model; on a GPU the server waits for that
-    stub for good, and the pipeline gives such a call up once the watchdog has recorded the death, naming the
-    stage."""
+    of the kill, once the model itself is reloaded. On a CPU a request caught by the dead stub fails within 2 s
+    naming its model; on a GPU the server waits for that stub for good, and the pipeline gives such a call up once
+    the watchdog has recorded the death, naming the stage."""
     own_server = start_server(model_repository, tmp_path)
     url, logs, server_log = own_server.grpc_url, [], tmp_path / "tritonserver.log"
     watchdog = StubWatchdog(url, own_server.settings.admin_headers, server_pid=own_server.process.pid, log=logs.append)

@@ -152,8 +152,8 @@ class StubWatchdog(threading.Thread):
         reload comes second so that it does not slow the first (on an H200 under MPS, resnet's two stubs reloaded
         beside the pipeline's sixteen reached their own setup only once the pipeline had loaded: 32 s in all)."""
         callers = bls_callers(models)
+        also = f", then its callers {', '.join(callers)}" if callers else ""
         for model in models:
-            also = f", then its callers {', '.join(callers)}" if callers else ""
             self.log(f"watchdog: the stub of {model!r} {why}; reloading {model}{also}")
         if models:
             self.end_replaced(at_once=True)  # room for the new stubs
