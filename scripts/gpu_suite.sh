@@ -10,7 +10,8 @@
 # Part 1 is the reliability tests (320-410 s on an H200), part 2 every other test file (340-400 s; so a new one is
 # never left out). Each part stops like a Ctrl-C at SUITE_LIMIT_S (default 540 s, so that a call of 598 s has room
 # to install, stop the servers and write) and writes OUT/suite-N.xml (JUnit, with each test's output) and
-# OUT/suite-N.log (pytest -v -rs, the servers' logs on failure). `OUT 1 2` runs both side by side in one call, but on one H200 at the shipped counts that ran out of
+# OUT/suite-N.log (pytest -v -rs, the servers' logs on failure), and OUT/stubs.log: the stubs per model and the GPU's
+# processes, once a second. `OUT 1 2` runs both side by side in one call, but on one H200 at the shipped counts that ran out of
 # GPU resources (servers of both parts loading at once: "unable to create stream: out of memory"), so run one
 # part per call there.
 set -uo pipefail
@@ -57,8 +58,25 @@ run_part() {
     "${files[@]}" --junitxml="$out/suite-$1.xml" >"$out/suite-$1.log" 2>&1
   echo "part $1: $(tail -n 1 "$out/suite-$1.log")"
 }
-for part in "${parts[@]}"; do run_part "$part" & done
-wait
+# Once a second, for a failure's post-mortem: the stubs per model (a zombie is a dead stub the server has not
+# reaped) and the processes on the GPU (under MPS its clients and the MPS server).
+monitor() {
+  while sleep 1; do
+    stubs=$(ps -eo stat=,args= | awk '$2 ~ /triton_python_backend_stub$/ { n = split($3, p, "/"); c[p[n - 2]]++ }
+      $1 ~ /^Z/ && $2 ~ /triton_python_b/ { c["zombie"]++ } END { for (k in c) printf " %s=%d", k, c[k] }')
+    gpu=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | wc -l)
+    echo "$(date +%T) gpu-processes=$gpu$stubs"
+  done >"$out/stubs.log" 2>&1
+}
+monitor &
+monitor_pid=$!
+pids=()
+for part in "${parts[@]}"; do
+  run_part "$part" &
+  pids+=($!)
+done
+wait "${pids[@]}"
+kill "$monitor_pid" 2>/dev/null
 grep -hE "(PASSED|FAILED|ERROR|SKIPPED)" "$out"/suite-*.log | grep -E "FAILED|ERROR|SKIPPED" | head -40
 xmls=()
 for part in "${parts[@]}"; do [[ -f $out/suite-$part.xml ]] && xmls+=("$out/suite-$part.xml"); done
