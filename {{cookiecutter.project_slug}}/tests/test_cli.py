@@ -120,6 +120,16 @@ def test_no_server_is_one_line_that_says_how_to_start_one(env, images):
     assert done.stderr.startswith("error: no server answers at localhost:") and " serve`" in done.stderr
 
 
+def test_files_that_cannot_be_read_are_named_without_asking_a_server(env, images, tmp_path):
+    argv = [*CLI, "classify", str(images["missing.jpg"]), str(tmp_path), "--url", f"localhost:{free_port()}"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (1, ""), done.stderr
+    assert done.stderr.splitlines() == [
+        f"error: {images['missing.jpg']}: no such file",
+        f"error: {tmp_path}: is a directory, not an image",
+    ]
+
+
 @local_server_only
 def test_shared_memory_without_a_key_names_the_variable_and_the_key_file(server, env, images):
     done = classify(server, env, images["cat.jpg"], "--shared-memory", "system")

@@ -137,7 +137,8 @@ def health(args) -> int:
 def classify(args) -> int:
     """One row per image (its best class, the rest of its top-k beneath), `error: <file>: <reason>` on stderr for
     one that could not be classified while the others still print; exit 1 if any failed, 2 if none could be
-    sent (no server, no admin key, a rejected key). --json: one JSON array on stdout instead."""
+    sent (no server, no admin key, a rejected key). --json: one JSON array on stdout instead. When no file can be
+    read at all, that is the error: no server is asked."""
     from tritonclient.utils import InferenceServerException
 
     from . import admin_key
@@ -153,6 +154,8 @@ def classify(args) -> int:
             outcome[path] = "is a directory, not an image"
         except OSError as exc:
             outcome[path] = (exc.strerror or str(exc)).lower()
+    if not images:  # every path is wrong: that, not the server, is what to fix first
+        return report(args, outcome)
     if args.shared_memory and not admin_key.find()[0]:  # the client looks it up the same way
         return fail(
             f"--shared-memory uses the server's admin APIs and needs its admin key: set {admin_key.ENV}, or run "
@@ -171,6 +174,11 @@ def classify(args) -> int:
         except InferenceServerException as exc:
             return fail(unreachable(args.url, exc))
         outcome |= classify_each(client, images, dict(args.param) or None, args.shared_memory == "cuda")
+    return report(args, outcome)
+
+
+def report(args, outcome: dict) -> int:
+    """Print each image's predictions or error, in the order given; exit 1 if any failed."""
     ordered = [(path, outcome[path]) for path in dict.fromkeys(args.images)]
     if args.json:
         print(json.dumps([as_json(path, result) for path, result in ordered], indent=2))
