@@ -8,13 +8,16 @@
 #   "inprocess ARGS"  python -m benchmarks.inprocess   "e2e LABEL ARGS"  python -m benchmarks.e2e
 #   "hop ARGS"        python -m benchmarks.hop         "pytest ARGS"     the baked project's tests
 #   "soak ARGS"       python -m benchmarks.soak (memory over a long mixed load)
+#   "probe FILE"      serve FILE (a probe pipeline model.py, relative to the template root, e.g.
+#                     docs/benchmarks/bls-execute-probe/inprocess_preprocess_model.py) as the pipeline in the steps after it
 # A step may start with a time limit in seconds ("240 pytest tests/test_gpu.py").
 # Everything goes to OUT/results.tgz (one folder per step, written after each step) and OUT/log.txt.
 set -uo pipefail
 out=$(realpath "$1")
 shift
 work=$(mktemp -d)
-cd "$(dirname "$0")/../.gpu-bake/image-classifier"
+root=$(realpath "$(dirname "$0")/..")
+cd "$root/.gpu-bake/image-classifier"
 pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || pip install -q --no-deps -e .
 export PYTHONUNBUFFERED=1 BENCH_COMMIT=${BENCH_COMMIT:-$(cat ../COMMIT 2>/dev/null || echo unknown)}
 image-classifier weights random
@@ -33,6 +36,7 @@ for step in "$@"; do
     e2e) "${limit[@]}" python -m benchmarks.e2e "${words[@]:2}" --out "$work/e2e-${words[1]}" ;;
     pytest) "${limit[@]}" pytest "${words[@]:1}" -p no:cacheprovider ;;
     soak) "${limit[@]}" python -m benchmarks.soak "${words[@]:1}" --out "$work/soak" ;;
+    probe) cp "$root/${words[1]}" model_repository/pipeline/1/model.py && echo "pipeline/1/model.py is now ${words[1]}" ;;
     *) echo "unknown step ${words[0]}" ;;
   esac
   tar -C "$work" -czf "$out/results.tgz" .
