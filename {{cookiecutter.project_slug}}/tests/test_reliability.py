@@ -452,8 +452,8 @@ def test_the_watchdog_ends_the_stubs_of_a_replaced_version_that_outlive_it(own_s
     server serves on with the stubs its configuration asks for. On a CPU the old pipeline's stubs are stopped
     (SIGSTOP) while they hold requests, so they surely outlive the grace: busy alone they did not always (in CI
     the old pipeline's queue timed out while the 2-core reload took 9.4 s, and its stubs then unloaded in the
-    second before the watchdog's first scan). On a GPU the old pipeline decodes in milliseconds; whatever of it
-    is left after the reload must be ended, the rest must have unloaded by itself."""
+    second before the watchdog's first scan). On a GPU the old pipeline decodes in milliseconds: no stub of it may
+    be left, and whether the watchdog ended it or it unloaded by itself is a race there, so either passes."""
     url, logs = own_server.grpc_url, []
     watchdog = StubWatchdog(
         url, own_server.settings.admin_headers, server_pid=own_server.process.pid, log=logs.append,
@@ -492,8 +492,8 @@ def test_the_watchdog_ends_the_stubs_of_a_replaced_version_that_outlive_it(own_s
                 os.kill(pid, signal.SIGKILL)
     print(f"\nold pipeline outlived the reload: {outlived}; outcomes {sorted(set(o[:100] for o in outcomes))}; {logs}")
     assert not old & set(stub_pids(own_server, "pipeline")), "a stub of the replaced version is left"
-    assert outlived or not stopped, "a stopped stub of the old pipeline was gone before the watchdog ended it"
-    if outlived:
+    if stopped:
+        assert outlived, "a stopped stub of the old pipeline was gone before the watchdog ended it"
         assert any("stubs of replaced versions of pipeline" in line for line in logs), logs
     # each ended: answered, failed naming the pipeline (its stub was ended), or rejected by the pipeline's queue
     # timeout (queued behind the old pipeline's decodes past 10 s)
