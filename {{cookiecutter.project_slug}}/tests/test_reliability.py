@@ -448,20 +448,29 @@ def test_the_watchdog_ends_the_stubs_of_a_replaced_version_that_outlive_it(own_s
     16 old pipeline stubs and the old resnet stub beside the dead one lived on for minutes), and each stub left is
     a CUDA context and an MPS client that crowds out the next reload's stubs. Here an old pipeline still busy
     after a short grace stands in for those: the watchdog ends its stubs and does not take that for a crash, every
-    request ends (an answer, an error naming the pipeline once its stub is gone, or its queue's timeout), and the
-    server serves on with the stubs its configuration asks for. On a CPU the old pipeline's stubs are stopped
-    (SIGSTOP) while they hold requests, so they surely outlive the grace: busy alone they did not always (in CI
-    the old pipeline's queue timed out while the 2-core reload took 9.4 s, and its stubs then unloaded in the
-    second before the watchdog's first scan). On a GPU the old pipeline decodes in milliseconds: no stub of it may
-    be left, and whether the watchdog ended it or it unloaded by itself is a race there, so either passes."""
-    url, logs = own_server.grpc_url, []
-    watchdog = StubWatchdog(
-        url, own_server.settings.admin_headers, server_pid=own_server.process.pid, log=logs.append,
-        replaced_grace_s=1,
-    )  # fmt: skip
+    request ends (an answer, an error naming the pipeline once its stub is gone, or a queue's timeout), and the
+    server serves on with the stubs its configuration asks for.
+
+    On a CPU the old pipeline is sure to outlive the grace: one request of 4 images of 27 MP takes it seconds to
+    decode, and 24 of them wait in a queue whose timeout this test raises to 120 s for the while. (With the 10 s
+    default, in CI the queue timed out while a 2-core reload took 9.4 s, and the old stubs unloaded in the second
+    before the watchdog's first scan; a request's own timeout cannot raise its model's. Stopping the old stubs
+    with SIGSTOP instead crashed 2.51's server: a stub frozen holding a shared-memory lock, a
+    boost::interprocess::lock_exception.) On a GPU the old pipeline decodes in milliseconds: no stub of it may be
+    left, and whether the watchdog ended it or it unloaded by itself is a race there, so either passes."""
+    url, logs, headers = own_server.grpc_url, [], own_server.settings.admin_headers
+    watchdog = StubWatchdog(url, headers, server_pid=own_server.process.pid, log=logs.append, replaced_grace_s=1)
     buffer = io.BytesIO()
     Image.new("RGB", (6000, 4500), (90, 140, 200)).save(buffer, format="JPEG", quality=50)
     large = buffer.getvalue()
+    with grpcclient.InferenceServerClient(url) as client:
+        original = client.get_model_config("pipeline", as_json=True)["config"]
+        patient = json.loads(json.dumps(original))
+        patient["dynamic_batching"]["default_queue_policy"]["default_timeout_microseconds"] = "120000000"
+        client.load_model("pipeline", config=json.dumps(patient), headers=headers)
+    wanted, deadline = configured_counts(own_server)["pipeline"], time.monotonic() + 60
+    while len(stub_pids(own_server, "pipeline")) != wanted and time.monotonic() < deadline:
+        time.sleep(0.2)  # the version before this load unloads by itself: only the patient one's stubs are "old"
     old = set(stub_pids(own_server, "pipeline"))
 
     def request(_):
@@ -471,35 +480,34 @@ def test_the_watchdog_ends_the_stubs_of_a_replaced_version_that_outlive_it(own_s
         except InferenceServerException as exc:
             return exc.message()
 
-    with ThreadPoolExecutor(24) as pool:
-        futures = [pool.submit(request, i) for i in range(24)]
-        time.sleep(1)  # all in the old pipeline: executing or queued
-        stopped = set() if own_server.settings.gpus else old
-        for pid in stopped:  # a stub that never finishes its requests, as a GPU's can be
-            os.kill(pid, signal.SIGSTOP)
-        try:
-            watchdog.reload(["pipeline"], "is replaced (this test reloads it)")  # as the watchdog's own thread does
-            outlived = bool(old & set(stub_pids(own_server, "pipeline")))  # still busy: it stays past the grace
-            watchdog.start()
-            deadline = time.monotonic() + watchdog.replaced_grace_s + 20
-            while old & set(stub_pids(own_server, "pipeline")) and time.monotonic() < deadline:
-                time.sleep(0.5)
-            outcomes = [f.result(timeout=120) for f in futures]
-            time.sleep(3)  # the watchdog's scans after those deaths: none may count as a crash
-        finally:
-            watchdog.stop()
-            for pid in stopped & set(stub_pids(own_server, "pipeline")):  # only if the test failed before its end
-                os.kill(pid, signal.SIGKILL)
-    print(f"\nold pipeline outlived the reload: {outlived}; outcomes {sorted(set(o[:100] for o in outcomes))}; {logs}")
-    assert not old & set(stub_pids(own_server, "pipeline")), "a stub of the replaced version is left"
-    if stopped:
-        assert outlived, "a stopped stub of the old pipeline was gone before the watchdog ended it"
-        assert any("stubs of replaced versions of pipeline" in line for line in logs), logs
-    # each ended: answered, failed naming the pipeline (its stub was ended), or rejected by the pipeline's queue
-    # timeout (queued behind the old pipeline's decodes past 10 s)
-    assert all(o == "ok" or "pipeline" in o or o == "Request timeout expired" for o in outcomes), outcomes
-    assert not any("exited" in line or "not healthy" in line for line in logs), logs
-    assert stub_counts(own_server) == configured_counts(own_server)
-    for model in ("pipeline", "ensemble"):
-        if (Path(own_server.settings.model_repository) / model).is_dir():  # a bake may leave the ensemble out
-            assert probe(url, model) is None, model
+    try:
+        with ThreadPoolExecutor(24) as pool:
+            futures = [pool.submit(request, i) for i in range(24)]
+            time.sleep(1)  # all in the old pipeline: executing or queued
+            try:
+                watchdog.reload(["pipeline"], "is replaced (this test reloads it)")  # as the watchdog's thread does
+                outlived = bool(old & set(stub_pids(own_server, "pipeline")))  # still busy: it stays past the grace
+                watchdog.start()
+                deadline = time.monotonic() + watchdog.replaced_grace_s + 20
+                while old & set(stub_pids(own_server, "pipeline")) and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                outcomes = [f.result(timeout=120) for f in futures]
+                time.sleep(3)  # the watchdog's scans after those deaths: none may count as a crash
+            finally:
+                watchdog.stop()
+        seen = sorted(set(o[:100] for o in outcomes))
+        print(f"\nold pipeline outlived the reload: {outlived}; outcomes {seen}; {logs}")
+        assert not old & set(stub_pids(own_server, "pipeline")), "a stub of the replaced version is left"
+        if not own_server.settings.gpus:
+            assert outlived, "on a CPU the old pipeline is still decoding after the reload"
+            assert any("stubs of replaced versions of pipeline" in line for line in logs), logs
+        # each ended: answered, failed naming the pipeline (its stub was ended), or rejected by a queue's timeout
+        assert all(o == "ok" or "pipeline" in o or o == "Request timeout expired" for o in outcomes), outcomes
+        assert not any("exited" in line or "not healthy" in line for line in logs), logs
+        assert stub_counts(own_server) == configured_counts(own_server)
+        for model in ("pipeline", "ensemble"):
+            if (Path(own_server.settings.model_repository) / model).is_dir():  # a bake may leave the ensemble out
+                assert probe(url, model) is None, model
+    finally:
+        with grpcclient.InferenceServerClient(url) as client:
+            client.load_model("pipeline", config=json.dumps(original), headers=headers)
