@@ -1,6 +1,7 @@
 """The bad day, against a real tritonserver over gRPC: bad input, load, leaks, overload, hot reload,
 admin keys, dead stubs and graceful shutdown. Every loop is bounded in count and time; loopback only."""
 
+import contextlib
 import io
 import json
 import os
@@ -86,6 +87,31 @@ def configured_counts(server: TritonServer) -> dict[str, int]:
         if config.backend == "python":
             counts[config.name] = sum(g.count for g in config.instance_group) * per_device
     return counts
+
+
+def wait_for_configured_stubs(server: TritonServer, timeout_s: float, poll_s: float = 0.2) -> None:
+    """Until every Python model has the stubs its config asks for (the versions a reload replaced have unloaded),
+    or `timeout_s`; the caller asserts what it needs."""
+    deadline = time.monotonic() + timeout_s
+    while stub_counts(server) != configured_counts(server) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def pipeline_queue_policy(server: TritonServer, **policy: str):
+    """The pipeline reloaded with these `dynamic_batching.default_queue_policy` fields for the while, its own
+    config loaded again after (with the admin key)."""
+    headers = server.settings.admin_headers
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        original = client.get_model_config("pipeline", as_json=True)["config"]
+        config = json.loads(json.dumps(original))
+        config["dynamic_batching"]["default_queue_policy"].update(policy)
+        client.load_model("pipeline", config=json.dumps(config), headers=headers)
+    try:
+        yield
+    finally:
+        with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            client.load_model("pipeline", config=json.dumps(original), headers=headers)
 
 
 # ---------------------------------------------------------------- bad input, on the shared server
@@ -218,12 +244,6 @@ def test_admin_apis_need_the_key(own_server):
 
 @local_server_only
 def test_overload_is_rejected_fast_instead_of_queued_forever(own_server, max_batch):
-    headers = own_server.settings.admin_headers
-    with grpcclient.InferenceServerClient(own_server.grpc_url) as client:
-        original = client.get_model_config("pipeline", as_json=True)["config"]
-        config = json.loads(json.dumps(original))
-        config["dynamic_batching"]["default_queue_policy"]["max_queue_size"] = "2"
-        client.load_model("pipeline", config=json.dumps(config), headers=headers)
     image, gate = make_image(5, size=(640, 480)), threading.Barrier(24)
 
     def send(_):
@@ -235,12 +255,8 @@ def test_overload_is_rejected_fast_instead_of_queued_forever(own_server, max_bat
         except InferenceServerException as exc:
             return exc.message(), time.monotonic() - started
 
-    try:
-        with ThreadPoolExecutor(24) as pool:
-            outcomes = list(pool.map(send, range(24)))
-    finally:
-        with grpcclient.InferenceServerClient(own_server.grpc_url) as client:
-            client.load_model("pipeline", config=json.dumps(original), headers=headers)
+    with pipeline_queue_policy(own_server, max_queue_size="2"), ThreadPoolExecutor(24) as pool:
+        outcomes = list(pool.map(send, range(24)))
     rejected = [t for outcome, t in outcomes if "Exceeds maximum queue size" in outcome]
     served = [t for outcome, t in outcomes if outcome == "ok"]
     assert len(served) + len(rejected) == 24, outcomes
@@ -429,9 +445,7 @@ def test_dead_stubs_fail_their_requests_and_the_watchdog_heals_each_model(model_
             assert subprocess.run(health, capture_output=True, timeout=120).returncode == 0
         # No stub of a replaced version is left: each is a CUDA context and an MPS client on a GPU. The server
         # unloads those versions on a CPU; on a GPU the watchdog ends what outlives its reload by the grace.
-        deadline = time.monotonic() + REPLACED_GRACE_S + 30
-        while stub_counts(own_server) != configured_counts(own_server) and time.monotonic() < deadline:
-            time.sleep(1)
+        wait_for_configured_stubs(own_server, REPLACED_GRACE_S + 30, poll_s=1)
         print(f"stubs per model at the end: {stub_counts(own_server)}; {[line for line in logs if 'ended' in line]}")
         assert stub_counts(own_server) == configured_counts(own_server)
     finally:
@@ -458,20 +472,14 @@ def test_the_watchdog_ends_the_stubs_of_a_replaced_version_that_outlive_it(own_s
     with SIGSTOP instead crashed 2.51's server: a stub frozen holding a shared-memory lock, a
     boost::interprocess::lock_exception.) On a GPU the old pipeline decodes in milliseconds: no stub of it may be
     left, and whether the watchdog ended it or it unloaded by itself is a race there, so either passes."""
-    url, logs, headers = own_server.grpc_url, [], own_server.settings.admin_headers
-    watchdog = StubWatchdog(url, headers, server_pid=own_server.process.pid, log=logs.append, replaced_grace_s=1)
+    url, logs = own_server.grpc_url, []
+    watchdog = StubWatchdog(
+        url, own_server.settings.admin_headers, server_pid=own_server.process.pid, log=logs.append,
+        replaced_grace_s=1,
+    )  # fmt: skip
     buffer = io.BytesIO()
     Image.new("RGB", (6000, 4500), (90, 140, 200)).save(buffer, format="JPEG", quality=50)
     large = buffer.getvalue()
-    with grpcclient.InferenceServerClient(url) as client:
-        original = client.get_model_config("pipeline", as_json=True)["config"]
-        patient = json.loads(json.dumps(original))
-        patient["dynamic_batching"]["default_queue_policy"]["default_timeout_microseconds"] = "120000000"
-        client.load_model("pipeline", config=json.dumps(patient), headers=headers)
-    wanted, deadline = configured_counts(own_server)["pipeline"], time.monotonic() + 60
-    while len(stub_pids(own_server, "pipeline")) != wanted and time.monotonic() < deadline:
-        time.sleep(0.2)  # the version before this load unloads by itself: only the patient one's stubs are "old"
-    old = set(stub_pids(own_server, "pipeline"))
 
     def request(_):
         try:
@@ -480,7 +488,9 @@ def test_the_watchdog_ends_the_stubs_of_a_replaced_version_that_outlive_it(own_s
         except InferenceServerException as exc:
             return exc.message()
 
-    try:
+    with pipeline_queue_policy(own_server, default_timeout_microseconds="120000000"):
+        wait_for_configured_stubs(own_server, 60)  # the version before unloads: only the patient one's are "old"
+        old = set(stub_pids(own_server, "pipeline"))
         with ThreadPoolExecutor(24) as pool:
             futures = [pool.submit(request, i) for i in range(24)]
             time.sleep(1)  # all in the old pipeline: executing or queued
@@ -508,6 +518,3 @@ def test_the_watchdog_ends_the_stubs_of_a_replaced_version_that_outlive_it(own_s
         for model in ("pipeline", "ensemble"):
             if (Path(own_server.settings.model_repository) / model).is_dir():  # a bake may leave the ensemble out
                 assert probe(url, model) is None, model
-    finally:
-        with grpcclient.InferenceServerClient(url) as client:
-            client.load_model("pipeline", config=json.dumps(original), headers=headers)

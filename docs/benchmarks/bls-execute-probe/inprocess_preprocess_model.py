@@ -6,11 +6,10 @@ each of the 16 pipeline stubs holds nvJPEG and decode memory of its own).
 The shipped async execute, give-up included; the per-request retry of a bad image is kept (Preprocess.batch fails
 only the request with the bad image). Install in a bake: copy over model_repository/pipeline/1/model.py."""
 
-import re
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
-from image_classifier.model_repository import pixels_dtype
+from image_classifier.model_repository import parameters, pixels_dtype
 from image_classifier.python_backend import (
     Batch,
     Instance,
@@ -23,19 +22,13 @@ from image_classifier.python_backend import (
 from image_classifier.stages import Preprocess
 
 
-def preprocess_parameters(repository: Path) -> dict[str, str]:
-    """The preprocess model's string parameters (resize, crop, max_image_pixels), from its config.pbtxt."""
-    text = (repository / "preprocess" / "config.pbtxt").read_text()
-    return dict(re.findall(r'key:\s*"(\w+)",\s*value:\s*{\s*string_value:\s*"([^"]*)"', text))
-
-
 class TritonPythonModel:
     def initialize(self, args):
         self.instance = Instance(args)
         self.timeout_us = int(self.instance.parameters["bls_timeout_us"])
         self.postprocess = load_postprocess(self.instance, args)
         repository = Path(args["model_repository"]).parent
-        params = preprocess_parameters(repository)
+        params = parameters(repository / "preprocess")  # resize, crop, max_image_pixels: preprocess's own
         self.preprocess = Preprocess(
             self.instance.device,
             pixels_dtype(repository),
