@@ -97,21 +97,32 @@ def wait_for_configured_stubs(server: TritonServer, timeout_s: float, poll_s: fl
         time.sleep(poll_s)
 
 
+def reload_pipeline(server: TritonServer, config: dict | None = None) -> None:
+    """Load the pipeline again (with this config where given, with the admin key), once the versions earlier
+    reloads replaced have unloaded, and return once this reload's replaced version has too. 2.51 ends a replaced
+    version's stubs one a second (16 pipeline stubs: 16 s), and under MPS a reload within that time makes three
+    generations of pipeline stubs, past the 48 clients a GPU takes (on the H200 the new version then failed to
+    load: "CUDA-capable device(s) is/are busy or unavailable")."""
+    wait_for_configured_stubs(server, 120)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.load_model("pipeline", config=None if config is None else json.dumps(config),
+                          headers=server.settings.admin_headers)  # fmt: skip
+    wait_for_configured_stubs(server, 120)
+
+
 @contextlib.contextmanager
 def pipeline_queue_policy(server: TritonServer, **policy: str):
     """The pipeline reloaded with these `dynamic_batching.default_queue_policy` fields for the while, its own
-    config loaded again after (with the admin key)."""
-    headers = server.settings.admin_headers
+    config loaded again after."""
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         original = client.get_model_config("pipeline", as_json=True)["config"]
-        config = json.loads(json.dumps(original))
-        config["dynamic_batching"]["default_queue_policy"].update(policy)
-        client.load_model("pipeline", config=json.dumps(config), headers=headers)
+    config = json.loads(json.dumps(original))
+    config["dynamic_batching"]["default_queue_policy"].update(policy)
+    reload_pipeline(server, config)
     try:
         yield
     finally:
-        with grpcclient.InferenceServerClient(server.grpc_url) as client:
-            client.load_model("pipeline", config=json.dumps(original), headers=headers)
+        reload_pipeline(server, original)
 
 
 # ---------------------------------------------------------------- bad input, on the shared server
@@ -293,6 +304,7 @@ def test_hot_reload_of_the_pipeline_under_load_loses_no_request(own_server):
         t.start()
     try:
         time.sleep(2)
+        wait_for_configured_stubs(own_server, 120)  # no replaced version still unloading (reload_pipeline)
         with grpcclient.InferenceServerClient(own_server.grpc_url) as c:
             c.load_model("pipeline", headers=own_server.settings.admin_headers)  # picks up version 2
         deadline = time.monotonic() + 120
@@ -489,7 +501,6 @@ def test_the_watchdog_ends_the_stubs_of_a_replaced_version_that_outlive_it(own_s
             return exc.message()
 
     with pipeline_queue_policy(own_server, default_timeout_microseconds="120000000"):
-        wait_for_configured_stubs(own_server, 60)  # the version before unloads: only the patient one's are "old"
         old = set(stub_pids(own_server, "pipeline"))
         with ThreadPoolExecutor(24) as pool:
             futures = [pool.submit(request, i) for i in range(24)]
