@@ -1,17 +1,25 @@
 """End to end over gRPC against a real tritonserver: the BLS pipeline, the ensemble and bad input."""
 
+import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from conftest import assert_same_answers, image_input, infer, make_image, outputs
+from conftest import EXTERNAL_GRPC_URL, assert_same_answers, image_input, infer, local_server, make_image, outputs
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
 from {{ cookiecutter.package_name }}.client import ImageClassifier
-from {{ cookiecutter.package_name }}.model_repository import labels_path, load_config
+from {{ cookiecutter.package_name }}.model_repository import (
+    labels_path,
+    load_config,
+    python_models,
+    resnet_weights,
+    set_instance_counts,
+)
 from {{ cookiecutter.package_name }}.stages import read_labels
 
 pytestmark = pytest.mark.e2e
@@ -126,3 +134,40 @@ def test_resnet_answers_triton_classification_requests_with_its_labels_file(serv
     assert [label for _, _, label in answers] == [labels[int(index)] for _, index, _ in answers]
     scores = [float(score) for score, _, _ in answers]
     np.testing.assert_allclose(scores, np.sort(logits)[::-1][:k], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(bool(EXTERNAL_GRPC_URL), reason="starts its own local server")
+def test_a_pipeline_that_decodes_in_process_answers_as_the_one_calling_preprocess(server, model_repository, tmp_path):
+    """The pipeline parameter `preprocess: "in_process"` (docs/performance.md): the same answers as the shipped
+    pipeline, a bad image still fails alone, and the preprocess model is never called."""
+    repo = tmp_path / "model_repository"
+    shutil.copytree(model_repository, repo, ignore=shutil.ignore_patterns("weights.pt", "__pycache__"))
+    os.link(resnet_weights(model_repository)[1], resnet_weights(repo)[1])  # the 100 MB weights: shared
+    set_instance_counts(repo, dict.fromkeys(python_models(repo), 1))
+    config = repo / "pipeline" / "config.pbtxt"
+    shipped = '{ key: "preprocess", value: { string_value: "bls" } }'
+    assert shipped in config.read_text()
+    config.write_text(config.read_text().replace(shipped, shipped.replace('"bls"', '"in_process"')))
+    requests = [
+        [make_image(90, fmt="PNG"), make_image(91, size=(500, 375))],
+        [make_image(92, size=(200, 300))],
+        [make_image(93), b"not an image"],
+        [make_image(94, mode="L")],
+    ]
+    with local_server(repo, tmp_path / "tritonserver.log") as triton:
+
+        def send(images):
+            try:
+                return outputs(infer(triton.grpc_url, [image_input(images)]))
+            except InferenceServerException as exc:
+                return exc.status()
+
+        with ThreadPoolExecutor(len(requests)) as pool:  # at once: one execute may get several of them
+            answers = list(pool.map(send, requests))
+        with grpcclient.InferenceServerClient(triton.grpc_url) as c:
+            stats = c.get_inference_statistics("preprocess", headers=triton.settings.admin_headers)
+    assert answers[2] == "StatusCode.INVALID_ARGUMENT"
+    for images, answer in zip(requests, answers):
+        if answer != "StatusCode.INVALID_ARGUMENT":
+            assert_same_answers(answer, outputs(infer(server.grpc_url, [image_input(images)])), model_repository)
+    assert stats.model_stats[0].inference_count == 0, "the pipeline decodes itself: preprocess is not called"

@@ -24,9 +24,9 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack
 
 from . import stub_deaths
-from .model_repository import torch_dtype, undeclared_call
+from .model_repository import parameters, pixels_dtype, torch_dtype, undeclared_call
 from .shm import DEV_SHM_ADVICE, SHM_GROWTH_FAILED
-from .stages import InvalidImage, Postprocess, read_labels
+from .stages import InvalidImage, Postprocess, Preprocess, read_labels
 
 # Triton 2.51 drops the error code of a BLS response (has_error() answers INTERNAL for everything), so an
 # input error raised by one stage carries this prefix to keep INVALID_ARG on its way back to the client.
@@ -139,6 +139,20 @@ def load_postprocess(instance: Instance, args: dict, classes: int | None = None)
             " write them together with `{{ cookiecutter.project_slug }} weights import`"
         )
     return Postprocess(top_k, labels)
+
+
+def load_preprocess(instance: Instance, args: dict) -> Preprocess:
+    """The decode stage in this model's own process, set up as the preprocess model beside it is (its resize,
+    crop and max_image_pixels parameters, its PIXELS dtype): for a BLS model that decodes instead of calling it."""
+    repository = Path(args["model_repository"]).parent
+    params = parameters(repository / "preprocess")
+    return Preprocess(
+        instance.device,
+        pixels_dtype(repository),
+        resize=int(params["resize"]),
+        crop=int(params["crop"]),
+        max_pixels=int(params["max_image_pixels"]),
+    )
 
 
 def to_triton(name: str, tensor: torch.Tensor) -> pb_utils.Tensor:
