@@ -2,9 +2,11 @@
 
     python -m benchmarks.e2e [--precision fp32 fp16] [--concurrency 1 2 4 8 16 32 64] [--images-per-request 1 16]
                              [--instances preprocess=6 resnet=2] [--mps on off] [--points 1x1 16x64]
+                             [--preprocess bls in_process]
 
 Starts the project's tritonserver (its own flags; random weights unless model_repository has weights.pt; CUDA MPS
-on a GPU as `serve` does, `--mps off` without it, `--mps on off` both, one server after the other),
+on a GPU as `serve` does, `--mps off` without it, `--mps on off` both, one server after the other; `--preprocess`
+sets the pipeline's parameter of that name, `bls in_process` compares both the same way),
 and for each entry point, images per request and concurrency (requests in flight, closed loop) measures
 client-side latency and images/s for --seconds. The client is several processes of gRPC threads, so that
 Python is not the limit; `client_cpu` in the JSON says how busy they were.
@@ -183,6 +185,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=["on"],
         help="CUDA MPS for the server (on: the default of serve, where there is a GPU); `on off` compares both",
     )
+    parser.add_argument(
+        "--preprocess",
+        nargs="+",
+        choices=["bls", "in_process"],
+        default=[None],
+        help="the pipeline's `preprocess` parameter (default: as baked); `bls in_process` compares both",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     return parser.parse_args(argv)
 
@@ -191,8 +200,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     jpegs = sample_jpegs(64)
     rows = []
-    for precision, mps in [(p, m) for p in args.precision for m in args.mps]:
-        rows += measure_server(args, precision, mps, jpegs)
+    for precision, mps, preprocess in [(p, m, q) for p in args.precision for m in args.mps for q in args.preprocess]:
+        rows += measure_server(args, precision, mps, jpegs, preprocess)
         results = e2e_results(args, rows)  # written after each server: a run cut short keeps what it measured
         sizes = sorted({r["images_per_request"] for r in rows})
         write("e2e", results, rows, COLUMNS, plot_throughput(rows, sizes), args.out)
@@ -210,7 +219,8 @@ def e2e_results(args, rows: list[dict]) -> dict:
             "(the same JPEG repeated); each row's `stages` in the JSON holds Triton's per-model statistics "
             "(requests, mean batch, queue / compute_input / compute_infer / compute_output ms per request); "
             "mps = the server ran under CUDA MPS (its own daemon, as `serve`); instances = the Python-backend "
-            "instance counts per GPU the row was served with."
+            "instance counts per GPU the row was served with; pipeline_preprocess = the pipeline's `preprocess` "
+            "parameter (bls: a BLS call to the preprocess model; in_process: it decodes itself)."
         ],
         "rows": rows,
     }
@@ -233,9 +243,10 @@ COLUMNS = [
 ]
 
 
-def measure_server(args, precision: str | None, mps: str, jpegs: list[bytes]) -> list[dict]:
-    """One server (this precision, instance counts and MPS setting): a row for every point of every entry point."""
-    from {{ cookiecutter.package_name }}.model_repository import set_instance_counts
+def measure_server(args, precision: str | None, mps: str, jpegs: list[bytes], preprocess: str | None) -> list[dict]:
+    """One server (this precision, instance counts, MPS setting and pipeline `preprocess` parameter): a row for every
+    point of every entry point."""
+    from {{ cookiecutter.package_name }}.model_repository import parameters, set_instance_counts, set_parameter
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -244,10 +255,14 @@ def measure_server(args, precision: str | None, mps: str, jpegs: list[bytes]) ->
             set_precision(repo, precision)
         instances = {m: int(c) for m, c in (item.split("=") for item in args.instances)}
         set_instance_counts(repo, instances)
+        if preprocess:
+            set_parameter(repo, "pipeline", "preprocess", preprocess)
+        preprocess = parameters(repo / "pipeline")["preprocess"]
         server = bench_server(repo, Path(tmp) / "tritonserver.log", mps=mps == "on")
         mps_on = server.mps is not None  # what ran: "on" asks for MPS, a machine without it runs without
         label = (precision or "as baked") + "".join(f" {m}x{c}" for m, c in instances.items())
         label += " MPS" if mps_on else " no MPS"
+        label += " preprocess in_process" if preprocess == "in_process" else ""
         try:
             pairs = [tuple(map(int, p.split("x"))) for p in args.points] or [
                 (n, c) for n in args.images_per_request for c in args.concurrency
@@ -264,6 +279,7 @@ def measure_server(args, precision: str | None, mps: str, jpegs: list[bytes]) ->
                     "concurrency": c,
                     **point,
                     "instances": instance_counts(repo),
+                    "pipeline_preprocess": preprocess,
                 }
                 rows.append(row)
                 print_point(label, model, n, c, point)

@@ -19,6 +19,7 @@ from {{ cookiecutter.package_name }}.model_repository import (
     python_models,
     resnet_weights,
     set_instance_counts,
+    set_parameter,
 )
 from {{ cookiecutter.package_name }}.stages import read_labels
 
@@ -144,10 +145,7 @@ def test_a_pipeline_that_decodes_in_process_answers_as_the_one_calling_preproces
     shutil.copytree(model_repository, repo, ignore=shutil.ignore_patterns("weights.pt", "__pycache__"))
     os.link(resnet_weights(model_repository)[1], resnet_weights(repo)[1])  # the 100 MB weights: shared
     set_instance_counts(repo, dict.fromkeys(python_models(repo), 1))
-    config = repo / "pipeline" / "config.pbtxt"
-    shipped = '{ key: "preprocess", value: { string_value: "bls" } }'
-    assert shipped in config.read_text()
-    config.write_text(config.read_text().replace(shipped, shipped.replace('"bls"', '"in_process"')))
+    set_parameter(repo, "pipeline", "preprocess", "in_process")
     requests = [
         [make_image(90, fmt="PNG"), make_image(91, size=(500, 375))],
         [make_image(92, size=(200, 300))],

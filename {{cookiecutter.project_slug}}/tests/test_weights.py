@@ -196,3 +196,22 @@ def test_a_canary_version_shares_the_config_and_labels(repository, resnet18_10, 
     torch.save(torchvision.models.resnet18(num_classes=7).state_dict(), tmp_path / "c.pt")
     with pytest.raises(WeightsError, match="every resnet version shares config.pbtxt and labels.txt"):
         import_weights(repository, tmp_path / "c.pt", version=3)
+
+
+def test_set_parameter_rewrites_one_parameter_with_comments_kept_or_through_protobuf(repository):
+    """model_repository.set_parameter, as benchmarks.e2e --preprocess and the in-process e2e test use it: on the
+    shipped config (comments kept) and on one a `weights import` rewrote through protobuf (comments gone)."""
+    from {{ cookiecutter.package_name }}.model_repository import save_config, set_parameter
+
+    def value(key):
+        return load_config(repository / "pipeline").parameters[key].string_value
+
+    timeout = value("bls_timeout_us")
+    set_parameter(repository, "pipeline", "preprocess", "in_process")
+    assert value("preprocess") == "in_process" and value("postprocess") == "in_process"
+    assert "# " in (repository / "pipeline" / "config.pbtxt").read_text(), "the comments are kept"
+    save_config(repository / "pipeline", load_config(repository / "pipeline"))
+    set_parameter(repository, "pipeline", "preprocess", "bls")
+    assert value("preprocess") == "bls" and value("bls_timeout_us") == timeout
+    with pytest.raises(ValueError, match="no parameter 'nonesuch'"):
+        set_parameter(repository, "pipeline", "nonesuch", "x")

@@ -195,6 +195,22 @@ def set_instance_counts(repository: Path | str, counts: dict[str, int]) -> None:
         save_config(path.parent, config)
 
 
+def set_parameter(repository: Path | str, model: str, key: str, value: str) -> None:
+    """Rewrite one string parameter of a model's config in place, comments kept: `("pipeline", "preprocess",
+    "in_process")`. Raises ValueError if the config has no such parameter."""
+    path = Path(repository) / model / "config.pbtxt"
+    pattern = r"(\{ key: \"" + re.escape(key) + r"\", value: \{ string_value: )\"[^\"]*\""
+    text, found = re.subn(pattern, lambda m: f'{m.group(1)}"{value}"', path.read_text())
+    if found:
+        path.write_text(text)
+        return
+    config = load_config(path.parent)  # a config rewritten through protobuf (`weights import`)
+    if key not in config.parameters:
+        raise ValueError(f"{path}: no parameter {key!r} to rewrite")
+    config.parameters[key].string_value = value
+    save_config(path.parent, config)
+
+
 def python_models(repository: Path | str) -> list[str]:
     """The models of the repository that run on the Python backend."""
     return sorted(p.parent.parent.name for p in Path(repository).glob("*/1/model.py"))
