@@ -317,7 +317,8 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 
 
 class Classifier:
-    """Pixels -> FP32 logits [B, classes]. On the CPU, FP16 is computed in FP32 (CPU FP16 convolutions crawl).
+    """Pixels -> FP32 logits [B, classes]. On the CPU, FP16 and BF16 are computed in FP32: without AVX512-BF16 or
+    AMX, half-precision CPU convolutions crawl (resnet18, one image, AVX2: 0.056 s in FP32, 1.6 s FP16, 2.3 s BF16).
 
     Every batch is padded to the next of a few bucket sizes (`batch_buckets`), so the model only ever sees those
     shapes: per-shape state (cuDNN plans, oneDNN primitives, CUDA graphs) stays bounded however the dynamic batcher
@@ -338,7 +339,8 @@ class Classifier:
     ):
         started = time.monotonic()
         self.device = torch.device(device)
-        self.dtype = torch.float32 if (self.device.type == "cpu" and dtype == torch.float16) else dtype
+        half = dtype in (torch.float16, torch.bfloat16)
+        self.dtype = torch.float32 if (self.device.type == "cpu" and half) else dtype
         self.memory_format = torch.channels_last if self.device.type == "cuda" else torch.contiguous_format
         model = build_resnet(variant, weights, num_classes)
         self.model = model.to(self.device, self.dtype, memory_format=self.memory_format)
