@@ -1,6 +1,7 @@
 """Soak: a mixed workload long enough for memory to plateau, with RSS, GPU memory and /dev/shm per process.
 
     python -m benchmarks.soak [--clients 16] [--requests 300] [--duration 900] [--interval 5]   (make soak)
+                              [--preprocess bls|in_process]   (the pipeline's parameter of that name)
 
 Starts the project's tritonserver (its own flags, as `serve`; random weights unless model_repository has
 weights.pt) and runs --clients closed-loop gRPC clients. Each alternates pipeline and ensemble (when present) and
@@ -310,17 +311,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=16.0,
         help="per /dev/shm region (16 MiB = one growth step: a region grows to its largest tensors in flight)",
     )
+    parser.add_argument(
+        "--preprocess",
+        choices=["bls", "in_process"],
+        help="the pipeline's `preprocess` parameter (default: as baked); in_process: each pipeline stub decodes",
+    )
     parser.add_argument("--name", default="soak", help="output file names: <name>.json, .md, .png")
     parser.add_argument("--out", type=Path, default=RESULTS)
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    from {{ cookiecutter.package_name }}.model_repository import load_config
+    from {{ cookiecutter.package_name }}.model_repository import load_config, parameters, set_parameter
 
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         repo = bench_repository(tmp)
+        if args.preprocess:
+            set_parameter(repo, "pipeline", "preprocess", args.preprocess)
+        args.preprocess = parameters(repo / "pipeline")["preprocess"]
         models = [m for m in args.models if (repo / m).is_dir()]
         max_batch = load_config(repo / "pipeline").max_batch_size
         sizes = sorted({min(n, max_batch) for n in args.images_per_request})
@@ -370,6 +379,7 @@ def summarize(args, models, sizes, samples, latencies, errors, elapsed, gpu_sour
         "requests_per_client": args.requests,
         "duration_limit_s": args.duration,
         "models": models,
+        "pipeline_preprocess": args.preprocess,
         "images_per_request": sizes,
         "requests": done,
         "failed": len(errors),
@@ -386,7 +396,8 @@ def notes(args, summary: dict, elapsed: float) -> list[str]:
     return [
         f"{summary['requests']:,} requests in {elapsed:.0f} s ({summary['requests_per_s']:.1f}/s), "
         f"{summary['failed']} failed; p50 {summary['p50_ms']:.0f} ms, p99 {summary['p99_ms']:.0f} ms. Memory sampled "
-        f"every {args.interval:g} s; GPU memory from {summary['gpu_memory_source']}.",
+        f"every {args.interval:g} s; GPU memory from {summary['gpu_memory_source']}. The pipeline's `preprocess` "
+        f"parameter: {args.preprocess}.",
         "growth = median of the last third of the run over the median of the middle third; a process passes "
         f"when it is at most {args.max_growth_mib:g} MiB (RSS - shm, GPU), and a /dev/shm region when at most "
         f"{args.max_shm_growth_mib:g} MiB. RSS - shm: RSS without the /dev/shm pages the process touched "
