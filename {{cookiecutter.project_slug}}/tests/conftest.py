@@ -38,6 +38,7 @@ from {{ cookiecutter.package_name }}.weights import write_random
 
 PROJECT = Path(__file__).resolve().parents[1]
 EXTERNAL_GRPC_URL = os.environ.get("TRITON_GRPC_URL")
+local_server_only = pytest.mark.skipif(bool(EXTERNAL_GRPC_URL), reason="needs a local server it can inspect")
 EXTERNAL_REPOSITORY = os.environ.get("MODEL_REPOSITORY")
 
 

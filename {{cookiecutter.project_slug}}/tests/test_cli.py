@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import EXTERNAL_GRPC_URL, make_image
+from conftest import local_server_only, make_image
 
 from {{ cookiecutter.package_name }} import admin_key
 from {{ cookiecutter.package_name }}.client import ImageClassifier
@@ -22,7 +22,6 @@ from {{ cookiecutter.package_name }}.server import free_port, visible_gpus
 from {{ cookiecutter.package_name }}.stages import read_labels
 
 pytestmark = pytest.mark.e2e
-local_server_only = pytest.mark.skipif(bool(EXTERNAL_GRPC_URL), reason="needs a local server it can inspect")
 CLI = [sys.executable, "-m", "{{ cookiecutter.package_name }}.cli"]
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from conftest import EXTERNAL_GRPC_URL, image_input, infer, make_image, png_header
+from conftest import image_input, infer, local_server_only, make_image, png_header
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
@@ -30,7 +30,6 @@ from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
 pytestmark = pytest.mark.e2e
 CLIENTS, REQUESTS_PER_CLIENT = (32, 5000) if os.environ.get("RELIABILITY_FULL") else (8, 25)
 # These start their own tritonserver or read its processes: not against a server started elsewhere.
-local_server_only = pytest.mark.skipif(bool(EXTERNAL_GRPC_URL), reason="needs a local server it can inspect")
 
 
 def raw_input(name, array, dtype):

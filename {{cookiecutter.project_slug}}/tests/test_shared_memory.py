@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from conftest import EXTERNAL_GRPC_URL, assert_same_answers, image_input, infer, make_image
+from conftest import EXTERNAL_GRPC_URL, assert_same_answers, image_input, infer, local_server_only, make_image
 from tritonclient.utils import InferenceServerException
 
 from {{ cookiecutter.package_name }}.client import ADMIN_KEY_HEADER, AdminKeyError, ImageClassifier, SharedMemoryFull
@@ -28,7 +28,6 @@ from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
 from {{ cookiecutter.package_name }}.shm import REGION_PREFIX, MiB, dev_shm_bytes
 
 pytestmark = pytest.mark.e2e
-local_server_only = pytest.mark.skipif(bool(EXTERNAL_GRPC_URL), reason="needs a local server it can inspect")
 
 
 @pytest.fixture(scope="module")

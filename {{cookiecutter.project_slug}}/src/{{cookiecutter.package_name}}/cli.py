@@ -275,13 +275,8 @@ def decode_on_gpu(client, images: list[bytes]):
     if not torch.cuda.is_available():
         raise SystemExit("--shared-memory cuda needs a CUDA GPU on this machine (the pixels are decoded on it)")
     params = {k: v.string_value for k, v in client.config("preprocess").parameters.items()}
-    preprocess = Preprocess(
-        torch.device("cuda", 0),
-        torch_dtype(client.input_datatype(PIXELS_MODEL, "PIXELS")),
-        resize=int(params["resize"]),
-        crop=int(params["crop"]),
-        max_pixels=int(params["max_image_pixels"]),
-    )
+    dtype = torch_dtype(client.input_datatype(PIXELS_MODEL, "PIXELS"))
+    preprocess = Preprocess.from_parameters(torch.device("cuda", 0), dtype, params)
     (pixels,) = preprocess.batch([images])
     if isinstance(pixels, Exception):
         raise ValueError(f"cannot decode: {pixels}")

@@ -145,14 +145,7 @@ def load_preprocess(instance: Instance, args: dict) -> Preprocess:
     """The decode stage in this model's own process, set up as the preprocess model beside it is (its resize,
     crop and max_image_pixels parameters, its PIXELS dtype): for a BLS model that decodes instead of calling it."""
     repository = Path(args["model_repository"]).parent
-    params = parameters(repository / "preprocess")
-    return Preprocess(
-        instance.device,
-        pixels_dtype(repository),
-        resize=int(params["resize"]),
-        crop=int(params["crop"]),
-        max_pixels=int(params["max_image_pixels"]),
-    )
+    return Preprocess.from_parameters(instance.device, pixels_dtype(repository), parameters(repository / "preprocess"))
 
 
 def to_triton(name: str, tensor: torch.Tensor) -> pb_utils.Tensor:

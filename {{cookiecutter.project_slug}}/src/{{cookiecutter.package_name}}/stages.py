@@ -87,6 +87,17 @@ class Preprocess:
         if self.on_gpu:  # nvJPEG's and the kernels' one-time setup, here rather than in the first request
             self.batch([[_blank_jpeg(), _blank_jpeg()]])
 
+    @classmethod
+    def from_parameters(cls, device, dtype, parameters: dict[str, str]) -> Preprocess:
+        """As the preprocess model is configured: its config's parameters (strings, as Triton gives them)."""
+        return cls(
+            device,
+            dtype,
+            resize=int(parameters["resize"]),
+            crop=int(parameters["crop"]),
+            max_pixels=int(parameters["max_image_pixels"]),
+        )
+
     def peak_gpu_bytes(self, max_batch_size: int) -> int:
         """The most GPU memory one batch of `max_batch_size` images can hold, fixed by the decode budget.
 

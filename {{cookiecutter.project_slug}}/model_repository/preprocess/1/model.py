@@ -9,13 +9,8 @@ from {{ cookiecutter.package_name }}.stages import Preprocess
 class TritonPythonModel:
     def initialize(self, args):
         self.instance = Instance(args)
-        params = self.instance.parameters
-        self.preprocess = Preprocess(
-            self.instance.device,
-            self.instance.dtype("PIXELS"),
-            resize=int(params["resize"]),
-            crop=int(params["crop"]),
-            max_pixels=int(params["max_image_pixels"]),
+        self.preprocess = Preprocess.from_parameters(
+            self.instance.device, self.instance.dtype("PIXELS"), self.instance.parameters
         )
         if self.instance.on_gpu:  # this process runs preprocess alone: GPU memory capped, its peak held from load
             self.preprocess.own_gpu_memory(self.instance.config["max_batch_size"])
