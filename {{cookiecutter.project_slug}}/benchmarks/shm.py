@@ -81,13 +81,8 @@ def preprocessed(repository: Path, jpegs: list[bytes], device: str):
     from {{ cookiecutter.package_name }}.model_repository import parameters, pixels_dtype
     from {{ cookiecutter.package_name }}.stages import Preprocess
 
-    params = parameters(repository / "preprocess")
-    preprocess = Preprocess(
-        torch.device(device),
-        pixels_dtype(repository),
-        resize=int(params["resize"]),
-        crop=int(params["crop"]),
-        max_pixels=int(params["max_image_pixels"]),
+    preprocess = Preprocess.from_parameters(
+        torch.device(device), pixels_dtype(repository), parameters(repository / "preprocess")
     )
     (pixels,) = preprocess.batch([jpegs])
     return pixels
