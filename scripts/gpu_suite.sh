@@ -7,7 +7,7 @@
 #   scripts/gpu_suite.sh OUT 2               # the second call
 #   scripts/gpu_suite.sh --merge A.xml B.xml >docs/benchmarks/h200-suite-COMMIT.xml    # here: one JUnit file
 #
-# Part 1 is the reliability tests (320-410 s on an H200), part 2 every other test file (340-400 s; so a new one is
+# Part 1 is the reliability tests (320-470 s on an H200), part 2 every other test file (340-400 s; so a new one is
 # never left out). Each part stops like a Ctrl-C at SUITE_LIMIT_S (default 540 s, so that a call of 598 s has room
 # to install, stop the servers and write) and writes OUT/suite-N.xml (JUnit, with each test's output) and
 # OUT/suite-N.log (pytest -v -rs, the servers' logs on failure), and OUT/stubs.log: the stubs per model and the GPU's
