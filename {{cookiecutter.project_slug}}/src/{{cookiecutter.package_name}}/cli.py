@@ -77,6 +77,7 @@ def start_server(args, settings, container: bool, started: float):
 
 def run_until_stopped(args, server, pump, started: float, key_place: str | None) -> int:
     """Wait until the server is ready, watch its stubs until Ctrl-C or its exit, then drain and stop it."""
+    import subprocess
     import time
 
     from .health import StubWatchdog
@@ -94,7 +95,14 @@ def run_until_stopped(args, server, pump, started: float, key_place: str | None)
         print_ready(server, started, key_place)
         if args.watchdog_interval > 0:
             watchdog.start()
-        server.process.wait()
+        # Not one blocking wait(): the kernel may hand SIGTERM to another thread (log pump, watchdog, gRPC), and
+        # Python runs its handler only when this thread runs again, which a blocked waitpid() never lets it do.
+        while True:
+            try:
+                server.process.wait(timeout=1)
+                break
+            except subprocess.TimeoutExpired:
+                pass
     except KeyboardInterrupt:
         print("stopping (in-flight requests finish first)...")
     finally:
