@@ -38,6 +38,7 @@ from {{ cookiecutter.package_name }}.weights import write_random
 
 PROJECT = Path(__file__).resolve().parents[1]
 EXTERNAL_GRPC_URL = os.environ.get("TRITON_GRPC_URL")
+# Tests that start their own tritonserver or read its processes: not against a server started elsewhere.
 local_server_only = pytest.mark.skipif(bool(EXTERNAL_GRPC_URL), reason="needs a local server it can inspect")
 EXTERNAL_REPOSITORY = os.environ.get("MODEL_REPOSITORY")
 

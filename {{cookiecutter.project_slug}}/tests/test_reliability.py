@@ -29,7 +29,6 @@ from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
 
 pytestmark = pytest.mark.e2e
 CLIENTS, REQUESTS_PER_CLIENT = (32, 5000) if os.environ.get("RELIABILITY_FULL") else (8, 25)
-# These start their own tritonserver or read its processes: not against a server started elsewhere.
 
 
 def raw_input(name, array, dtype):
