@@ -143,9 +143,15 @@ def load_postprocess(instance: Instance, args: dict, classes: int | None = None)
 
 def load_preprocess(instance: Instance, args: dict) -> Preprocess:
     """The decode stage in this model's own process, set up as the preprocess model beside it is (its resize,
-    crop and max_image_pixels parameters, its PIXELS dtype): for a BLS model that decodes instead of calling it."""
+    crop and max_image_pixels parameters, its PIXELS dtype, its GPU memory owned from load): for a BLS model that
+    decodes instead of calling it. The cap covers this process's torch allocations, the decode's and the
+    in-process top-k's (a few KiB)."""
     repository = Path(args["model_repository"]).parent
-    return Preprocess.from_parameters(instance.device, pixels_dtype(repository), parameters(repository / "preprocess"))
+    dtype = pixels_dtype(repository)
+    preprocess = Preprocess.from_parameters(instance.device, dtype, parameters(repository / "preprocess"))
+    if instance.on_gpu:  # as the preprocess model does: decode memory capped, its peak held from load, not climbed to
+        preprocess.own_gpu_memory(instance.config["max_batch_size"])
+    return preprocess
 
 
 def to_triton(name: str, tensor: torch.Tensor) -> pb_utils.Tensor:
