@@ -9,7 +9,8 @@
 #   "hop ARGS"        python -m benchmarks.hop         "pytest ARGS"     the baked project's tests
 #   "soak ARGS"       python -m benchmarks.soak (memory over a long mixed load)
 #   "probe FILE"      serve FILE (a probe pipeline model.py, relative to the template root, e.g.
-#                     docs/benchmarks/bls-execute-probe/inprocess_preprocess_model.py) as the pipeline in the steps after it
+#                     docs/benchmarks/bls-execute-probe/inprocess_preprocess_model.py) as the pipeline in the steps after it;
+#                     the shipped model.py stays beside it as shipped_model.py (phases_model.py wraps it)
 # A step may start with a time limit in seconds ("240 pytest tests/test_gpu.py").
 # Everything goes to OUT/results.tgz (one folder per step, written after each step) and OUT/log.txt.
 set -uo pipefail
@@ -36,7 +37,10 @@ for step in "$@"; do
     e2e) "${limit[@]}" python -m benchmarks.e2e "${words[@]:2}" --out "$work/e2e-${words[1]}" ;;
     pytest) "${limit[@]}" pytest "${words[@]:1}" -p no:cacheprovider ;;
     soak) "${limit[@]}" python -m benchmarks.soak "${words[@]:1}" --out "$work/soak" ;;
-    probe) cp "$root/${words[1]}" model_repository/pipeline/1/model.py && echo "pipeline/1/model.py is now ${words[1]}" ;;
+    probe)  # the shipped model.py stays beside it as shipped_model.py, for a probe that wraps it (phases_model.py)
+      version=model_repository/pipeline/1
+      [[ -f $version/shipped_model.py ]] || cp "$version/model.py" "$version/shipped_model.py"
+      cp "$root/${words[1]}" "$version/model.py" && echo "pipeline/1/model.py is now ${words[1]}" ;;
     *) echo "unknown step ${words[0]}" ;;
   esac
   tar -C "$work" -czf "$out/results.tgz" .

@@ -19,13 +19,16 @@ for row in lines:
         points.append([])
     points[-1].append(row)
     last = row["at"]
-names = ("read", "decode", "resnet", "topk", "respond")
+names = ("decode", "resnet", "topk", "other")
 print("executes  images/exec  requests/exec  " + "  ".join(f"{n:>7}" for n in names) + "    sum (ms, medians)")
 for rows in points:
     if len(rows) < 5:
         continue
-    med = {n: statistics.median(r[n] for r in rows) for n in names}
+    med = {n: statistics.median(r.get(n, 0.0) for r in rows) for n in names}
     images = statistics.mean(r["images"] for r in rows)
     requests = statistics.mean(r["requests"] for r in rows)
-    print(f"{len(rows):8d}  {images:11.1f}  {requests:13.2f}  " + "  ".join(f"{med[n]:7.2f}" for n in names)
-          + f"    {sum(med.values()):6.2f}")
+    print(
+        f"{len(rows):8d}  {images:11.1f}  {requests:13.2f}  "
+        + "  ".join(f"{med[n]:7.2f}" for n in names)
+        + f"    {sum(med.values()):6.2f}"
+    )
