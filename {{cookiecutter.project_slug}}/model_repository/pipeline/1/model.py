@@ -1,11 +1,11 @@
 """The BLS entry point: preprocess -> resnet -> postprocess, GPU tensors handed on zero-copy with DLPack.
 
-All requests of one execute() make one BLS call per stage: one preprocess batch, one ResNet batch. The top-k
-runs here, with the postprocess stage's own code: it is microseconds of GPU work, and a BLS round trip costs about
-a millisecond (set the parameter `postprocess` to "bls" to call the postprocess model instead). The parameter
-`preprocess` set to "in_process" decodes here too, with the preprocess stage's code: one BLS call fewer. A request
-whose images fail to decode gets its own error; the rest are served (`Batch` in python_backend.py keeps the
-requests apart). Edit the routing here: this is the file to make yours.
+All requests of one execute() are decoded here as one batch, with the preprocess stage's own code, and make one
+BLS call: one ResNet batch. The top-k runs here too, with the postprocess stage's code: it is microseconds of GPU
+work, and a BLS round trip costs about a millisecond. Set the parameter `preprocess` or `postprocess` to "bls" to
+call that model instead (config.pbtxt says when `preprocess: "bls"` is worth it). A request whose images fail to
+decode gets its own error; the rest are served (`Batch` in python_backend.py keeps the requests apart). Edit the
+routing here: this is the file to make yours.
 """
 
 import triton_python_backend_utils as pb_utils
