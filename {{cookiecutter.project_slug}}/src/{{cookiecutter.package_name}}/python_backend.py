@@ -260,6 +260,18 @@ class Batch:
         except Exception as exc:
             return Batch(None, [size if isinstance(size, Exception) else exc for size in self.sizes])
 
+    def each(self, check) -> Batch:
+        """`check(rows)` on each request still served, alone (a gate: docs/customizing.md, recipe 2); a request
+        whose check raises answers with that exception, the others go on (joined again only if one dropped out)."""
+        parts, dropped = _parts(self.data, self.sizes), False
+        for i, part in enumerate(parts):
+            if not isinstance(part, Exception):
+                try:
+                    check(part)
+                except Exception as exc:
+                    parts[i], dropped = exc, True
+        return Batch.of(parts) if dropped else self
+
     async def _then_by(self, stage, keys: list) -> Batch:
         parts = [
             key if isinstance(key, Exception) and not isinstance(part, Exception) else part
