@@ -5,10 +5,12 @@
 #   scripts/gpu_bake.sh                      # here: bake into .gpu-bake/ (fp16, the default answers otherwise)
 #   scripts/gpu_suite.sh OUT 1               # there, from the template root, after `source .gpu-bundle/activate`
 #   scripts/gpu_suite.sh OUT 2               # the second call
+#   scripts/gpu_suite.sh OUT 3               # the third
 #   scripts/gpu_suite.sh --merge A.xml B.xml >docs/benchmarks/h200-suite-COMMIT.xml    # here: one JUnit file
 #
-# Part 1 is the reliability tests (320-470 s on an H200), part 2 every other test file (340-400 s; so a new one is
-# never left out). Each part stops like a Ctrl-C at SUITE_LIMIT_S (default 540 s, so that a call of 598 s has room
+# Part 1 is the reliability tests but the watchdog's (about 520 s on an H200 since the pipeline decodes in process:
+# each server loads for longer), part 3 the watchdog's two (235 s before), part 2 every other test file (340-430 s;
+# so a new one is never left out). A test file or node id instead of a part number runs just that (suite-custom.*). Each part stops like a Ctrl-C at SUITE_LIMIT_S (default 540 s, so that a call of 598 s has room
 # to install, stop the servers and write) and writes OUT/suite-N.xml (JUnit, with each test's output) and
 # OUT/suite-N.log (pytest -v -rs, the servers' logs on failure), and OUT/stubs.log: the stubs per model and the GPU's
 # processes, once a second. `OUT 1 2` runs both side by side in one call, but on one H200 at the shipped counts that ran out of
@@ -35,7 +37,7 @@ PY
 fi
 out=$(realpath "$1")
 parts=("${@:2}")
-[[ ${#parts[@]} -gt 0 ]] || { echo "usage: $0 OUT 1|2 (or --merge A.xml B.xml)" >&2; exit 2; }
+[[ ${#parts[@]} -gt 0 ]] || { echo "usage: $0 OUT 1|2|3|TESTS (or --merge A.xml B.xml)" >&2; exit 2; }
 cd "$here/../.gpu-bake/image-classifier"
 pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || pip install -q --no-deps -e .
 if [[ -f ../bin/ruff.xz ]]; then  # gpu_bake.sh: ruff, for the recipes' lint checks
@@ -51,12 +53,18 @@ for f in tests/test_*.py; do [[ " ${first[*]} ${rest[*]} " == *" $f "* ]] || res
 # pytest with Ctrl-C restored (a background job of a script ignores SIGINT): at SUITE_LIMIT_S it stops like a
 # Ctrl-C, stops its servers and still writes its JUnit XML for the tests that ran.
 PYTEST='import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); sys.exit(pytest.main())'
+name() { [[ $1 == [123] ]] && echo "$1" || echo custom; }
 run_part() {
   local files
-  if [[ $1 == 1 ]]; then files=("${first[@]}"); else files=("${rest[@]}"); fi
+  case $1 in
+    1) files=("${first[@]}" -k "not watchdog") ;;
+    3) files=("${first[@]}" -k watchdog) ;;
+    2) files=("${rest[@]}") ;;
+    *) files=("$1") ;;
+  esac
   PYTHONUNBUFFERED=1 timeout -s INT -k 60 "${SUITE_LIMIT_S:-540}" python3 -c "$PYTEST" -v -rs -p no:cacheprovider -o junit_logging=system-out \
-    "${files[@]}" --junitxml="$out/suite-$1.xml" >"$out/suite-$1.log" 2>&1
-  echo "part $1: $(tail -n 1 "$out/suite-$1.log")"
+    "${files[@]}" --junitxml="$out/suite-$(name "$1").xml" >"$out/suite-$(name "$1").log" 2>&1
+  echo "part $1: $(tail -n 1 "$out/suite-$(name "$1").log")"
 }
 # Once a second, for a failure's post-mortem: the stubs per model (a zombie is a dead stub the server has not
 # reaped) and the processes on the GPU (under MPS its clients and the MPS server).
@@ -66,7 +74,7 @@ monitor() {
       $1 ~ /^Z/ && $2 ~ /triton_python_b/ { c["zombie"]++ } END { for (k in c) printf " %s=%d", k, c[k] }')
     gpu=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | wc -l)
     echo "$(date +%T) gpu-processes=$gpu$stubs"
-  done >"$out/stubs.log" 2>&1
+  done >>"$out/stubs.log" 2>&1
 }
 monitor &
 monitor_pid=$!
