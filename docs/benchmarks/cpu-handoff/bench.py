@@ -20,7 +20,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from image_classifier.server import ServerSettings, TritonServer
 
-MODELS = ["sink", "drv_async", "drv_ownloop", "drv_sync"]
+MODELS = ["sink", "drv_async", "drv_ownloop", "drv_pool", "drv_sync"]
 
 
 def main() -> None:
