@@ -8,9 +8,10 @@
 #   scripts/gpu_suite.sh OUT 3               # the third
 #   scripts/gpu_suite.sh --merge A.xml B.xml >docs/benchmarks/h200-suite-COMMIT.xml    # here: one JUnit file
 #
-# Part 1 is the reliability tests but the watchdog's (about 520 s on an H200 since the pipeline decodes in process:
-# each server loads for longer), part 3 the watchdog's two (235 s before), part 2 every other test file (340-430 s;
-# so a new one is never left out). A test file or node id instead of a part number runs just that (suite-custom.*). Each part stops like a Ctrl-C at SUITE_LIMIT_S (default 540 s, so that a call of 598 s has room
+# Part 1 is the reliability tests but the watchdog's (512 s on an H200 since the pipeline decodes in process: each
+# server loads for longer; so keep SUITE_LIMIT_S at its default there), part 3 the watchdog's two (266 s), part 2
+# every other test file (340-434 s; so a new one is never left out). A test file or node id of the baked project
+# (relative to its root, e.g. tests/test_customizing.py) instead of a part number runs just that (suite-custom.*). Each part stops like a Ctrl-C at SUITE_LIMIT_S (default 540 s, so that a call of 598 s has room
 # to install, stop the servers and write) and writes OUT/suite-N.xml (JUnit, with each test's output) and
 # OUT/suite-N.log (pytest -v -rs, the servers' logs on failure), and OUT/stubs.log: the stubs per model and the GPU's
 # processes, once a second. `OUT 1 2` runs both side by side in one call, but on one H200 at the shipped counts that ran out of
@@ -38,6 +39,9 @@ fi
 out=$(realpath "$1")
 parts=("${@:2}")
 [[ ${#parts[@]} -gt 0 ]] || { echo "usage: $0 OUT 1|2|3|TESTS (or --merge A.xml B.xml)" >&2; exit 2; }
+customs=0
+for part in "${parts[@]}"; do [[ $part == [123] ]] || customs=$((customs + 1)); done
+[[ $customs -le 1 ]] || { echo "$0: one test file or node id a call (they share suite-custom.*)" >&2; exit 2; }
 cd "$here/../.gpu-bake/image-classifier"
 pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || pip install -q --no-deps -e .
 if [[ -f ../bin/ruff.xz ]]; then  # gpu_bake.sh: ruff, for the recipes' lint checks
@@ -87,6 +91,6 @@ wait "${pids[@]}"
 kill "$monitor_pid" 2>/dev/null
 grep -hE "(PASSED|FAILED|ERROR|SKIPPED)" "$out"/suite-*.log | grep -E "FAILED|ERROR|SKIPPED" | head -40
 xmls=()
-for part in "${parts[@]}"; do [[ -f $out/suite-$part.xml ]] && xmls+=("$out/suite-$part.xml"); done
+for part in "${parts[@]}"; do [[ -f $out/suite-$(name "$part").xml ]] && xmls+=("$out/suite-$(name "$part").xml"); done
 [[ ${#xmls[@]} -gt 1 ]] && "$here/gpu_suite.sh" --merge "${xmls[@]}" >"$out/suite.xml"
 exit 0

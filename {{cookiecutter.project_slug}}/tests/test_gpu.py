@@ -338,12 +338,16 @@ def pipeline_runs_preprocess_via_bls(repository: Path) -> bool:
     return load_config(repository / "pipeline").parameters["preprocess"].string_value == "bls"
 
 
+def preprocess_is_called(repository: Path) -> bool:
+    """Whether serving calls the preprocess model: the ensemble's first step, or the pipeline with "bls"."""
+    return (repository / "ensemble").is_dir() or pipeline_runs_preprocess_via_bls(repository)
+
+
 def test_every_stage_sees_its_tensors_on_the_gpu(probed, model_repository):
     tensors = [r for r in probed["rows"] if r["event"] == "tensor"]
     hops = {(r["hop"], r["name"]) for r in tensors}
     print(sorted(hops))
     expected = [
-        ("preprocess->server", "PIXELS"),
         ("server->resnet", "PIXELS"),
         ("resnet->server", "LOGITS"),
         ("pipeline->resnet", "PIXELS"),
@@ -351,6 +355,8 @@ def test_every_stage_sees_its_tensors_on_the_gpu(probed, model_repository):
     ]
     if pipeline_runs_preprocess_via_bls(model_repository):  # else the pipeline decodes: its pixels are its own
         expected.append(("preprocess->pipeline", "PIXELS"))
+    if preprocess_is_called(model_repository):
+        expected.append(("preprocess->server", "PIXELS"))
     if (model_repository / "ensemble").is_dir():
         expected += [("server->postprocess", "LOGITS"), ("postprocess->server", "SCORES")]
     # The top-k results travel to the client over gRPC: they are brought to the host on purpose, by postprocess
@@ -530,7 +536,7 @@ def test_multi_gpu_every_stage_has_an_instance_on_every_gpu_and_each_one_worked(
 
 
 @multi_gpu
-def test_multi_gpu_what_each_instance_hands_on_and_gets_back_is_on_its_own_gpu(probed):
+def test_multi_gpu_what_each_instance_hands_on_and_gets_back_is_on_its_own_gpu(probed, model_repository):
     tensors = [r for r in probed["rows"] if r["event"] == "tensor"]
     # In host memory on purpose: the top-k results, which only go back to the client.
     host = {
@@ -547,7 +553,10 @@ def test_multi_gpu_what_each_instance_hands_on_and_gets_back_is_on_its_own_gpu(p
     print(f"{len(owned)} tensors an instance produced or got back from a BLS call; elsewhere: {elsewhere}")
     assert elsewhere == [], "(instance, hop, tensor, device) not on the instance's own GPU"
     hops = {(r["hop"], r["instance_device"]) for r in owned}
-    for hop in ("preprocess->pipeline", "resnet->pipeline", "pipeline->resnet", "preprocess->server", "resnet->server"):
+    expected = ["resnet->pipeline", "pipeline->resnet", "resnet->server"]
+    expected += ["preprocess->pipeline"] if pipeline_runs_preprocess_via_bls(model_repository) else []
+    expected += ["preprocess->server"] if preprocess_is_called(model_repository) else []
+    for hop in expected:
         assert {(hop, gpu) for gpu in range(GPUS)} <= hops, f"{hop} not seen on every GPU"
     crossed = arrivals_from_other_gpus(probed)
     delivered = sum(r["hop"].startswith("server->") and not r["is_cpu"] for r in tensors)

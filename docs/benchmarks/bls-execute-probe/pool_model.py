@@ -53,7 +53,7 @@ class TritonPythonModel(shipped.TritonPythonModel):
     def initialize(self, args):
         super().initialize(args)
         self.loop = asyncio.new_event_loop()
-        self.pool = ThreadPoolExecutor(4, thread_name_prefix="bls")
+        self.pool = ThreadPoolExecutor(16, thread_name_prefix="bls")  # a call given up keeps its thread
         instance, pool = self.instance, self.pool
 
         async def infer(model_name, inputs, outputs, timeout_us=0, on_host=False, model_version=-1):

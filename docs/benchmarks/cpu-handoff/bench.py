@@ -1,10 +1,11 @@
-"""What a BLS call's thread hand-overs cost in a Python-backend stub, on the CPU: a trivial `sink` model, and three
+"""What a BLS call's thread hand-overs cost in a Python-backend stub, on the CPU: a trivial `sink` model, and four
 drivers that each make one BLS call to it per request, the way the pipeline could:
 - drv_async: `async def execute`, `await asyncio.wait([request.async_exec()])` (the shipped pipeline's way,
   stub_deaths.answer): the stub's main thread hands the execute to its event-loop thread, the call goes to an
   executor thread, and back;
 - drv_ownloop: `def execute` running the same coroutine on an event loop of its own on the main thread
   (bls-execute-probe/own_loop_model.py): the executor hand-over stays, the event-loop thread's goes;
+- drv_pool: `def execute`, `pool.submit(request.exec).result(timeout)`: a blocking wait that could still give up;
 - drv_sync: `def execute`, `request.exec()`: no hand-over, and no way to give a call up.
 One client, one request in flight, 800 requests a model a round, 3 rounds interleaved; p50 and p90 in ms.
 
