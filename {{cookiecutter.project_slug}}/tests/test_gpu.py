@@ -38,6 +38,7 @@ from tritonclient.grpc import model_config_pb2
 from {{ cookiecutter.package_name }} import mps
 from {{ cookiecutter.package_name }}.model_repository import (
     load_config,
+    parameters,
     pixels_dtype,
     python_models,
     resnet_weights,
@@ -331,11 +332,11 @@ def test_the_baked_default_serves_every_model_with_kind_gpu(server, probed):
 
 
 def pipeline_runs_postprocess_via_bls(repository: Path) -> bool:
-    return load_config(repository / "pipeline").parameters["postprocess"].string_value == "bls"
+    return parameters(repository / "pipeline")["postprocess"] == "bls"
 
 
 def pipeline_runs_preprocess_via_bls(repository: Path) -> bool:
-    return load_config(repository / "pipeline").parameters["preprocess"].string_value == "bls"
+    return parameters(repository / "pipeline")["preprocess"] == "bls"
 
 
 def preprocess_is_called(repository: Path) -> bool:
