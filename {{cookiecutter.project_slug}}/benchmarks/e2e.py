@@ -2,13 +2,16 @@
 
     python -m benchmarks.e2e [--precision fp32 fp16] [--concurrency 1 2 4 8 16 32 64] [--images-per-request 1 16]
                              [--instances preprocess=6 resnet=2] [--mps on off] [--points 1x1 16x64]
-                             [--preprocess bls in_process]
+                             [--preprocess bls in_process] [--rounds 2]
 
 Starts the project's tritonserver (its own flags; random weights unless model_repository has weights.pt; CUDA MPS
 on a GPU as `serve` does, `--mps off` without it, `--mps on off` both, one server after the other; `--preprocess`
 sets the pipeline's parameter of that name, `bls in_process` compares both the same way),
-and for each entry point, images per request and concurrency (requests in flight, closed loop) measures
-client-side latency and images/s for --seconds. The client is several processes of gRPC threads, so that
+and for each images per request and concurrency (requests in flight, closed loop) measures each entry point's
+client-side latency and images/s for --seconds, the entry points one after the other at each point, so that they
+are compared under the same conditions; `--rounds` repeats the whole sweep, the order of the entry points reversed
+in every other round (a drift of the machine then weighs on both alike), and the BLS / ensemble ratios per round
+and their median close the table. The client is several processes of gRPC threads, so that
 Python is not the limit; `client_cpu` in the JSON says how busy they were.
 Writes e2e.json, e2e.md and e2e.png.
 """
@@ -164,6 +167,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="measure only these (images per request)x(concurrency) pairs, e.g. 1x1 16x64, instead of the grid",
     )
     parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--rounds", type=int, default=1, help="measure every point this many times (see above)")
     parser.add_argument(
         "--instances",
         nargs="+",
@@ -212,6 +216,7 @@ def e2e_results(args, rows: list[dict]) -> dict:
     return {
         "title": "End to end over gRPC (JPEG in, top-k out): BLS pipeline vs ensemble",
         "environment": environment(),
+        "ratios": ratios(rows),
         "notes": [
             "Closed loop: `concurrency` requests in flight, each `images_per_request` 500x375 JPEGs; client-side "
             f"latency; {args.seconds:g} s per point after 1 s warm-up; client_cpu = client CPU cores busy; "
@@ -220,7 +225,10 @@ def e2e_results(args, rows: list[dict]) -> dict:
             "(requests, mean batch, queue / compute_input / compute_infer / compute_output ms per request); "
             "mps = the server ran under CUDA MPS (its own daemon, as `serve`); instances = the Python-backend "
             "instance counts per GPU the row was served with; pipeline_preprocess = the pipeline's `preprocess` "
-            "parameter (bls: a BLS call to the preprocess model; in_process: it decodes itself)."
+            "parameter (bls: a BLS call to the preprocess model; in_process: it decodes itself); round = which "
+            "pass of --rounds (the entry points measured one after the other at each point, their order reversed "
+            "every other round).",
+            ratio_table(ratios(rows)),
         ],
         "rows": rows,
     }
@@ -230,6 +238,7 @@ COLUMNS = [
     "precision",
     "mps",
     "model",
+    "round",
     "images_per_request",
     "concurrency",
     "img_s",
@@ -267,14 +276,21 @@ def measure_server(args, precision: str | None, mps: str, jpegs: list[bytes], pr
             pairs = [tuple(map(int, p.split("x"))) for p in args.points] or [
                 (n, c) for n in args.images_per_request for c in args.concurrency
             ]
-            points = [(model, n, c) for model in args.models if (repo / model).is_dir() for n, c in pairs]
-            for model, n, c in points:
+            models = [model for model in args.models if (repo / model).is_dir()]
+            points = [
+                (model, n, c, r)
+                for r in range(1, args.rounds + 1)
+                for n, c in pairs
+                for model in (models if r % 2 else models[::-1])
+            ]
+            for model, n, c, r in points:
                 point = measure_point(args, server, model, jpegs, n, c, Path(tmp))
                 row = {
                     "precision": label,
                     "mps": mps_on,
                     "mps_status": server.mps_status,
                     "model": model,
+                    "round": r,
                     "images_per_request": n,
                     "concurrency": c,
                     **point,
@@ -301,6 +317,40 @@ def measure_point(args, server, model: str, jpegs: list[bytes], n: int, c: int, 
         else:
             print(f"perf_analyzer failed: {pa['error']}")
     return point
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """BLS / ensemble images/s at every point both were measured at, per round, and their median."""
+    by_point: dict[tuple, dict] = {}
+    for row in rows:
+        key = (row["precision"], row["images_per_request"], row["concurrency"])
+        by_point.setdefault(key, {}).setdefault(row.get("round", 1), {})[row["model"]] = row["img_s"]
+    out = []
+    for (label, n, c), rounds in by_point.items():
+        per_round = [m["pipeline"] / m["ensemble"] for m in rounds.values() if m.get("ensemble") and "pipeline" in m]
+        if per_round:
+            out.append(
+                {
+                    "server": label,
+                    "images_per_request": n,
+                    "concurrency": c,
+                    "bls_vs_ensemble": per_round,
+                    "median": float(np.median(per_round)),
+                }
+            )
+    return out
+
+
+def ratio_table(points: list[dict]) -> str:
+    if not points:
+        return ""
+    lines = ["| server | images/request | concurrency | BLS / ensemble per round | median |", "|---|---|---|---|---|"]
+    for p in points:
+        rounds = ", ".join(f"{x:.2f}" for x in p["bls_vs_ensemble"])
+        lines.append(
+            f"| {p['server']} | {p['images_per_request']} | {p['concurrency']} | {rounds} | {p['median']:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def print_point(label: str, model: str, n: int, c: int, point: dict) -> None:
@@ -330,10 +380,12 @@ def plot_throughput(rows: list[dict], images_per_request: list[int]):
                         for r in rows
                         if r["model"] == model and r["images_per_request"] == n and r["precision"] == label
                     ]
-                    if sel:
+                    if sel:  # the median over rounds at each concurrency
+                        xs = sorted({r["concurrency"] for r in sel})
+                        ys = [float(np.median([r["img_s"] for r in sel if r["concurrency"] == x])) for x in xs]
                         ax.plot(
-                            [r["concurrency"] for r in sel],
-                            [r["img_s"] for r in sel],
+                            xs,
+                            ys,
                             style,
                             marker="o",
                             color=color,
