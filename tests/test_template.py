@@ -294,6 +294,34 @@ def test_hostile_text_bakes_safely(baker):
     assert hostile in (project / "README.md").read_text()
 
 
+def test_e2e_ratios_pair_each_round_of_each_server(default_project, monkeypatch):
+    """benchmarks/e2e.py's BLS / ensemble ratios on synthetic rows: per round and per server, never across them; a
+    round where either entry point failed a request or answered none is n/a and left out of the median."""
+    monkeypatch.syspath_prepend(str(default_project))
+    from benchmarks import e2e
+
+    def row(server, model, rnd, img_s, errors=0, n=16, c=8):
+        return {"server": server, "precision": "as baked", "model": model, "round": rnd, "images_per_request": n,
+                "concurrency": c, "img_s": img_s, "errors": errors}  # fmt: skip
+
+    rows = [row(1, "pipeline", 1, 900.0), row(1, "ensemble", 1, 1000.0)]
+    rows += [row(1, "ensemble", 2, 1000.0), row(1, "pipeline", 2, 1100.0)]
+    rows += [row(2, "pipeline", 1, 500.0), row(2, "ensemble", 1, 1000.0)]  # same label, another server
+    rows += [row(1, "pipeline", 1, 800.0, c=64), row(1, "ensemble", 1, 0.0, c=64)]  # nothing answered
+    rows += [row(1, "pipeline", 2, 800.0, errors=3, c=64), row(1, "ensemble", 2, 900.0, c=64)]  # failed requests
+    rows += [row(1, "pipeline", 1, 10.0, n=1, c=1)]  # no ensemble at this point: no ratio
+    got = {(r["concurrency"], r["bls_vs_ensemble"][0] == 0.5): r for r in e2e.ratios(rows)}
+    assert got[(8, False)]["bls_vs_ensemble"] == [0.9, 1.1] and got[(8, False)]["median"] == 1.0
+    assert got[(8, True)]["rounds"] == [1] and got[(8, True)]["median"] == 0.5
+    assert got[(64, False)]["bls_vs_ensemble"] == [None, None] and got[(64, False)]["median"] is None
+    assert len(got) == 3
+    table = e2e.ratio_table(e2e.ratios(rows))
+    assert "| as baked | 16 | 8 | 0.90, 1.10 | 1.00 |" in table and "| n/a, n/a | n/a |" in table
+    assert e2e.ratio_table([]) == ""
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--rounds", "0"])
+
+
 def test_soak_verdict_tells_a_plateau_from_growth(default_project, monkeypatch):
     """benchmarks/soak.py's verdict on synthetic samples: growth that levels off passes, steady growth fails."""
     monkeypatch.syspath_prepend(str(default_project))

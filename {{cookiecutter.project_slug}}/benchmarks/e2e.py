@@ -10,8 +10,9 @@ sets the pipeline's parameter of that name, `bls in_process` compares both the s
 and for each images per request and concurrency (requests in flight, closed loop) measures each entry point's
 client-side latency and images/s for --seconds, the entry points one after the other at each point, so that they
 are compared under the same conditions; `--rounds` repeats the whole sweep, the order of the entry points reversed
-in every other round (a drift of the machine then weighs on both alike), and the BLS / ensemble ratios per round
-and their median close the table. The client is several processes of gRPC threads, so that
+in every other round (a drift of the machine then weighs on both alike). With both `pipeline` and `ensemble` among
+--models it prints the BLS / ensemble images/s ratio at each point, per round and their median, and writes them
+into e2e.json (`ratios`) and above e2e.md's table. The client is several processes of gRPC threads, so that
 Python is not the limit; `client_cpu` in the JSON says how busy they were.
 Writes e2e.json, e2e.md and e2e.png.
 """
@@ -197,18 +198,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the pipeline's `preprocess` parameter (default: as baked); `bls in_process` compares both",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     jpegs = sample_jpegs(64)
     rows = []
-    for precision, mps, preprocess in [(p, m, q) for p in args.precision for m in args.mps for q in args.preprocess]:
-        rows += measure_server(args, precision, mps, jpegs, preprocess)
+    servers = [(p, m, q) for p in args.precision for m in args.mps for q in args.preprocess]
+    for server, (precision, mps, preprocess) in enumerate(servers, 1):
+        rows += [dict(row, server=server) for row in measure_server(args, precision, mps, jpegs, preprocess)]
         results = e2e_results(args, rows)  # written after each server: a run cut short keeps what it measured
         sizes = sorted({r["images_per_request"] for r in rows})
         write("e2e", results, rows, COLUMNS, plot_throughput(rows, sizes), args.out)
+    if results["ratios"]:
+        print("\nBLS / ensemble images/s:\n" + ratio_table(results["ratios"]))
     return results
 
 
@@ -228,7 +235,7 @@ def e2e_results(args, rows: list[dict]) -> dict:
             "parameter (bls: a BLS call to the preprocess model; in_process: it decodes itself); round = which "
             "pass of --rounds (the entry points measured one after the other at each point, their order reversed "
             "every other round).",
-            ratio_table(ratios(rows)),
+            *(["\n" + ratio_table(ratios(rows))] if ratios(rows) else []),
         ],
         "rows": rows,
     }
@@ -320,35 +327,49 @@ def measure_point(args, server, model: str, jpegs: list[bytes], n: int, c: int, 
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """BLS / ensemble images/s at every point both were measured at, per round, and their median."""
+    """BLS (`pipeline`) / `ensemble` images/s at every point of every server where both were measured: per round
+    (None for a round where either failed a request or answered none) and the median of the others."""
     by_point: dict[tuple, dict] = {}
     for row in rows:
-        key = (row["precision"], row["images_per_request"], row["concurrency"])
-        by_point.setdefault(key, {}).setdefault(row.get("round", 1), {})[row["model"]] = row["img_s"]
+        key = (row.get("server", 1), row["precision"], row["images_per_request"], row["concurrency"])
+        by_point.setdefault(key, {}).setdefault(row.get("round", 1), {})[row["model"]] = row
     out = []
-    for (label, n, c), rounds in by_point.items():
-        per_round = [m["pipeline"] / m["ensemble"] for m in rounds.values() if m.get("ensemble") and "pipeline" in m]
-        if per_round:
-            out.append(
-                {
-                    "server": label,
-                    "images_per_request": n,
-                    "concurrency": c,
-                    "bls_vs_ensemble": per_round,
-                    "median": float(np.median(per_round)),
-                }
-            )
+    for (_, label, n, c), rounds in by_point.items():
+        both = {r: m for r, m in sorted(rounds.items()) if "pipeline" in m and "ensemble" in m}
+        if not both:
+            continue
+        per_round = [
+            m["pipeline"]["img_s"] / m["ensemble"]["img_s"]
+            if all(m[k]["img_s"] > 0 and not m[k]["errors"] for k in ("pipeline", "ensemble"))
+            else None
+            for m in both.values()
+        ]
+        valid = [x for x in per_round if x is not None]
+        out.append(
+            {
+                "server": label,
+                "images_per_request": n,
+                "concurrency": c,
+                "rounds": list(both),
+                "bls_vs_ensemble": per_round,
+                "median": float(np.median(valid)) if valid else None,
+            }
+        )
     return out
 
 
 def ratio_table(points: list[dict]) -> str:
     if not points:
         return ""
+
+    def fmt(x):
+        return "n/a" if x is None else f"{x:.2f}"
+
     lines = ["| server | images/request | concurrency | BLS / ensemble per round | median |", "|---|---|---|---|---|"]
     for p in points:
-        rounds = ", ".join(f"{x:.2f}" for x in p["bls_vs_ensemble"])
+        rounds = ", ".join(fmt(x) for x in p["bls_vs_ensemble"])
         lines.append(
-            f"| {p['server']} | {p['images_per_request']} | {p['concurrency']} | {rounds} | {p['median']:.2f} |"
+            f"| {p['server']} | {p['images_per_request']} | {p['concurrency']} | {rounds} | {fmt(p['median'])} |"
         )
     return "\n".join(lines)
 
@@ -369,17 +390,17 @@ def print_point(label: str, model: str, n: int, c: int, point: dict) -> None:
 
 
 def plot_throughput(rows: list[dict], images_per_request: list[int]):
-    """plot(ax) for _common.write: images/s over concurrency, a line per entry point, precision and request size."""
+    """plot(ax) for _common.write: images/s over concurrency, a line per entry point, server and request size."""
+
+    rounds = max((r.get("round", 1) for r in rows), default=1)
+    median = f" (median of {rounds} rounds)" if rounds > 1 else ""
 
     def plot(ax):
         for model, color in (("pipeline", "tab:green"), ("ensemble", "tab:purple")):
-            for label in dict.fromkeys(r["precision"] for r in rows):
+            for server in dict.fromkeys(r.get("server", 1) for r in rows):
+                mine = [r for r in rows if r.get("server", 1) == server and r["model"] == model]
                 for n, style in zip(images_per_request, ("-", "--", ":", "-.")):
-                    sel = [
-                        r
-                        for r in rows
-                        if r["model"] == model and r["images_per_request"] == n and r["precision"] == label
-                    ]
+                    sel = [r for r in mine if r["images_per_request"] == n]
                     if sel:  # the median over rounds at each concurrency
                         xs = sorted({r["concurrency"] for r in sel})
                         ys = [float(np.median([r["img_s"] for r in sel if r["concurrency"] == x])) for x in xs]
@@ -390,7 +411,7 @@ def plot_throughput(rows: list[dict], images_per_request: list[int]):
                             marker="o",
                             color=color,
                             alpha=1.0 if sel[0]["mps"] else 0.5,
-                            label=f"{model} {label} {n} img/req",
+                            label=f"{model} {sel[0]['precision']} {n} img/req{median}",
                         )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency (requests in flight)")
