@@ -220,10 +220,11 @@ def main(argv=None) -> dict:
 
 
 def e2e_results(args, rows: list[dict]) -> dict:
+    points = ratios(rows)
     return {
         "title": "End to end over gRPC (JPEG in, top-k out): BLS pipeline vs ensemble",
         "environment": environment(),
-        "ratios": ratios(rows),
+        "ratios": points,
         "notes": [
             "Closed loop: `concurrency` requests in flight, each `images_per_request` 500x375 JPEGs; client-side "
             f"latency; {args.seconds:g} s per point after 1 s warm-up; client_cpu = client CPU cores busy; "
@@ -235,7 +236,7 @@ def e2e_results(args, rows: list[dict]) -> dict:
             "parameter (bls: a BLS call to the preprocess model; in_process: it decodes itself); round = which "
             "pass of --rounds (the entry points measured one after the other at each point, their order reversed "
             "every other round).",
-            *(["\n" + ratio_table(ratios(rows))] if ratios(rows) else []),
+            *(["\n" + ratio_table(points)] if points else []),
         ],
         "rows": rows,
     }
