@@ -129,7 +129,8 @@ class Instance:
 
 def load_postprocess(instance: Instance, args: dict, classes: int | None = None) -> Postprocess:
     """The top-k stage for a model with a SCORES output and a `labels_file` parameter (a path relative to the
-    model's directory). Refuses to load, with the fix, if the labels, the class count and top_k disagree."""
+    model's directory), warmed on a GPU (`Postprocess.warm`). Refuses to load, with the fix, if the labels, the
+    class count and top_k disagree."""
     top_k = pb_utils.get_output_config_by_name(instance.config, "SCORES")["dims"][0]
     labels = read_labels(Path(args["model_repository"]) / instance.parameters["labels_file"])
     classes = len(labels) if classes is None else classes
@@ -138,7 +139,10 @@ def load_postprocess(instance: Instance, args: dict, classes: int | None = None)
             f"{len(labels)} labels, {classes} LOGITS, top-{top_k}: labels.txt, the class count and top_k disagree;"
             " write them together with `{{ cookiecutter.project_slug }} weights import`"
         )
-    return Postprocess(top_k, labels)
+    postprocess = Postprocess(top_k, labels)
+    if instance.on_gpu:  # the first requests would load its kernels: load them now
+        postprocess.warm(instance.device, classes, instance.config["max_batch_size"])
+    return postprocess
 
 
 def load_preprocess(instance: Instance, args: dict) -> Preprocess:

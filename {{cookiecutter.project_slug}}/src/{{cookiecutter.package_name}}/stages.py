@@ -442,6 +442,14 @@ class Postprocess:
         scores, class_ids = scores.cpu().numpy(), class_ids.cpu().numpy()
         return {"SCORES": scores, "CLASS_IDS": class_ids, "LABELS": self.label(class_ids)}
 
+    def warm(self, device: torch.device, classes: int, max_batch_size: int) -> None:
+        """For a process that serves this stage (a Triton instance on a GPU): run it once now, at the smallest and
+        the largest batch, so that no request pays CUDA's lazy loading of its kernels. Without it the first top-k
+        of a stub took 57-78 ms on an H200, once per instance after every load (16 pipeline instances: the first
+        16 requests, or more); afterwards 0.35 ms."""
+        for rows in sorted({1, max(1, max_batch_size)}):
+            self.to_host(torch.zeros(rows, classes, device=device))
+
     def label(self, class_ids: torch.Tensor | np.ndarray) -> np.ndarray:
         """Class ids -> an object array of UTF-8 encoded names, the shape of `class_ids`."""
         if isinstance(class_ids, torch.Tensor):
