@@ -149,7 +149,7 @@ def load_preprocess(instance: Instance, args: dict) -> Preprocess:
     """The decode stage in this model's own process, set up as the preprocess model beside it is (its resize,
     crop and max_image_pixels parameters, its PIXELS dtype, its GPU memory owned from load): for a BLS model that
     decodes instead of calling it. The cap covers this process's torch allocations, the decode's and the
-    in-process top-k's (a few KiB)."""
+    in-process top-k's (under 1 MiB at batch 128)."""
     repository = Path(args["model_repository"]).parent
     dtype = pixels_dtype(repository)
     preprocess = Preprocess.from_parameters(instance.device, dtype, parameters(repository / "preprocess"))
