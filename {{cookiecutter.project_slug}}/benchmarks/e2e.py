@@ -2,11 +2,12 @@
 
     python -m benchmarks.e2e [--precision fp32 fp16] [--concurrency 1 2 4 8 16 32 64] [--images-per-request 1 16]
                              [--instances preprocess=6 resnet=2] [--mps on off] [--points 1x1 16x64]
-                             [--preprocess bls in_process] [--rounds 2]
+                             [--stages bls fused] [--rounds 2]
 
 Starts the project's tritonserver (its own flags; random weights unless model_repository has weights.pt; CUDA MPS
-on a GPU as `serve` does, `--mps off` without it, `--mps on off` both, one server after the other; `--preprocess`
-sets the pipeline's parameter of that name, `bls in_process` compares both the same way),
+on a GPU as `serve` does, `--mps off` without it, `--mps on off` both, one server after the other; `--stages`
+sets the pipeline's `preprocess` and `postprocess` parameters: `bls` calls the three models, `fused` runs both
+stages in the pipeline's own process, `bls fused` compares both the same way),
 and for each images per request and concurrency (requests in flight, closed loop) measures each entry point's
 client-side latency and images/s for --seconds, the entry points one after the other at each point, so that they
 are compared under the same conditions; `--rounds` repeats the whole sweep, the order of the entry points reversed
@@ -191,11 +192,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="CUDA MPS for the server (on: the default of serve, where there is a GPU); `on off` compares both",
     )
     parser.add_argument(
-        "--preprocess",
+        "--stages",
         nargs="+",
-        choices=["bls", "in_process"],
+        choices=list(STAGE_SETTINGS),
         default=[None],
-        help="the pipeline's `preprocess` parameter (default: as baked); `bls in_process` compares both",
+        help="the pipeline's `preprocess` and `postprocess` parameters (default: as baked): bls calls the three "
+        "models, fused runs both stages in the pipeline; `bls fused` compares both",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -208,9 +210,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     jpegs = sample_jpegs(64)
     rows = []
-    servers = [(p, m, q) for p in args.precision for m in args.mps for q in args.preprocess]
-    for server, (precision, mps, preprocess) in enumerate(servers, 1):
-        rows += [dict(row, server=server) for row in measure_server(args, precision, mps, jpegs, preprocess)]
+    servers = [(p, m, q) for p in args.precision for m in args.mps for q in args.stages]
+    for server, (precision, mps, stages) in enumerate(servers, 1):
+        rows += [dict(row, server=server) for row in measure_server(args, precision, mps, jpegs, stages)]
         results = e2e_results(args, rows)  # written after each server: a run cut short keeps what it measured
         sizes = sorted({r["images_per_request"] for r in rows})
         write("e2e", results, rows, COLUMNS, plot_throughput(rows, sizes), args.out)
@@ -232,8 +234,9 @@ def e2e_results(args, rows: list[dict]) -> dict:
             "(the same JPEG repeated); each row's `stages` in the JSON holds Triton's per-model statistics "
             "(requests, mean batch, queue / compute_input / compute_infer / compute_output ms per request); "
             "mps = the server ran under CUDA MPS (its own daemon, as `serve`); instances = the Python-backend "
-            "instance counts per GPU the row was served with; pipeline_preprocess = the pipeline's `preprocess` "
-            "parameter (bls: a BLS call to the preprocess model; in_process: it decodes itself); round = which "
+            "instance counts per GPU the row was served with; pipeline_preprocess, pipeline_postprocess = the "
+            "pipeline's parameters of those names (bls: a BLS call to that model; in_process: the pipeline runs the "
+            "stage itself, fused); gpu_mem_mib = the most GPU memory in use during the point (NVML); round = which "
             "pass of --rounds (the entry points measured one after the other at each point, their order reversed "
             "every other round).",
             *(["\n" + ratio_table(points)] if points else []),
@@ -255,13 +258,17 @@ COLUMNS = [
     "errors",
     "client_cpu",
     "gpu_util_pct",
+    "gpu_mem_mib",
     "pa_img_s",
     "pa_vs_own",
 ]
 
 
-def measure_server(args, precision: str | None, mps: str, jpegs: list[bytes], preprocess: str | None) -> list[dict]:
-    """One server (this precision, instance counts, MPS setting and pipeline `preprocess` parameter): a row for every
+STAGE_SETTINGS = {"bls": "bls", "fused": "in_process"}  # --stages: the pipeline's preprocess and postprocess
+
+
+def measure_server(args, precision: str | None, mps: str, jpegs: list[bytes], stages: str | None) -> list[dict]:
+    """One server (this precision, instance counts, MPS setting and pipeline stage parameters): a row for every
     point of every entry point."""
     from {{ cookiecutter.package_name }}.model_repository import parameters, set_instance_counts, set_parameter
 
@@ -272,14 +279,15 @@ def measure_server(args, precision: str | None, mps: str, jpegs: list[bytes], pr
             set_precision(repo, precision)
         instances = {m: int(c) for m, c in (item.split("=") for item in args.instances)}
         set_instance_counts(repo, instances)
-        if preprocess:
-            set_parameter(repo, "pipeline", "preprocess", preprocess)
-        preprocess = parameters(repo / "pipeline")["preprocess"]
+        for stage in ("preprocess", "postprocess") if stages else ():
+            set_parameter(repo, "pipeline", stage, STAGE_SETTINGS[stages])
+        preprocess, postprocess = (parameters(repo / "pipeline")[stage] for stage in ("preprocess", "postprocess"))
         server = bench_server(repo, Path(tmp) / "tritonserver.log", mps=mps == "on")
         mps_on = server.mps is not None  # what ran: "on" asks for MPS, a machine without it runs without
         label = (precision or "as baked") + "".join(f" {m}x{c}" for m, c in instances.items())
         label += " MPS" if mps_on else " no MPS"
-        label += " preprocess in_process" if preprocess == "in_process" else ""
+        fused = [stage for stage, value in (("preprocess", preprocess), ("postprocess", postprocess)) if value != "bls"]
+        label += " fused" if len(fused) == 2 else "".join(f" {stage} fused" for stage in fused)
         try:
             pairs = [tuple(map(int, p.split("x"))) for p in args.points] or [
                 (n, c) for n in args.images_per_request for c in args.concurrency
@@ -304,6 +312,7 @@ def measure_server(args, precision: str | None, mps: str, jpegs: list[bytes], pr
                     **point,
                     "instances": instance_counts(repo),
                     "pipeline_preprocess": preprocess,
+                    "pipeline_postprocess": postprocess,
                 }
                 rows.append(row)
                 print_point(label, model, n, c, point)

@@ -138,18 +138,28 @@ def test_resnet_answers_triton_classification_requests_with_its_labels_file(serv
     np.testing.assert_allclose(scores, np.sort(logits)[::-1][:k], atol=1e-5, rtol=1e-5)
 
 
+STAGES = ("preprocess", "postprocess")  # the pipeline's parameters of these names: "bls" or "in_process"
+
+
+def stage_calls(url: str, headers: dict) -> dict[str, int]:
+    """How many requests each stage model has executed on the server at `url`."""
+    with grpcclient.InferenceServerClient(url) as c:
+        return {m: c.get_inference_statistics(m, headers=headers).model_stats[0].inference_count for m in STAGES}
+
+
 @pytest.mark.skipif(bool(EXTERNAL_GRPC_URL), reason="starts its own local server")
-def test_the_other_preprocess_setting_answers_as_the_shipped_one(server, model_repository, tmp_path):
-    """The pipeline parameter `preprocess` (docs/performance.md), set to the value the shipped config does not
-    have: the same answers as the shipped pipeline, a bad image still fails alone, and the preprocess model is
-    called with "bls" and never with "in_process"."""
-    shipped = parameters(model_repository / "pipeline")["preprocess"]
-    other = {"bls": "in_process", "in_process": "bls"}[shipped]
+def test_the_other_stage_settings_answer_as_the_shipped_ones(server, model_repository, tmp_path):
+    """The pipeline parameters `preprocess` and `postprocess` (docs/performance.md, "The fused pipeline"), each set
+    to the value the shipped config does not have: the same answers as the shipped pipeline, a bad image still
+    fails alone, and each stage model is called by the pipeline with "bls" and never with "in_process"."""
+    shipped = {stage: parameters(model_repository / "pipeline")[stage] for stage in STAGES}
+    other = {stage: {"bls": "in_process", "in_process": "bls"}[value] for stage, value in shipped.items()}
     repo = tmp_path / "model_repository"
     shutil.copytree(model_repository, repo, ignore=shutil.ignore_patterns("weights.pt", "__pycache__"))
     os.link(resnet_weights(model_repository)[1], resnet_weights(repo)[1])  # the 100 MB weights: shared
     set_instance_counts(repo, dict.fromkeys(python_models(repo), 1))
-    set_parameter(repo, "pipeline", "preprocess", other)
+    for stage, value in other.items():
+        set_parameter(repo, "pipeline", stage, value)
     requests = [
         [make_image(90, fmt="PNG"), make_image(91, size=(500, 375))],
         [make_image(92, size=(200, 300))],
@@ -166,11 +176,13 @@ def test_the_other_preprocess_setting_answers_as_the_shipped_one(server, model_r
 
         with ThreadPoolExecutor(len(requests)) as pool:  # at once: one execute may get several of them
             answers = list(pool.map(send, requests))
-        with grpcclient.InferenceServerClient(triton.grpc_url) as c:
-            stats = c.get_inference_statistics("preprocess", headers=triton.settings.admin_headers)
+        called = stage_calls(triton.grpc_url, triton.settings.admin_headers)
     assert answers[2] == "StatusCode.INVALID_ARGUMENT"
+    before = stage_calls(server.grpc_url, server.settings.admin_headers)
     for images, answer in zip(requests, answers):
         if answer != "StatusCode.INVALID_ARGUMENT":
             assert_same_answers(answer, outputs(infer(server.grpc_url, [image_input(images)])), model_repository)
-    called = stats.model_stats[0].inference_count
-    assert (called > 0) if other == "bls" else (called == 0), f"preprocess: {other!r}, preprocess called {called}x"
+    after = stage_calls(server.grpc_url, server.settings.admin_headers)
+    for settings, calls in ((other, called), (shipped, {m: after[m] - before[m] for m in STAGES})):
+        for stage, value in settings.items():
+            assert (calls[stage] > 0) == (value == "bls"), f"{stage}: {value!r}, its model called {calls[stage]}x"

@@ -199,7 +199,7 @@ def test_a_canary_version_shares_the_config_and_labels(repository, resnet18_10, 
 
 
 def test_set_parameter_rewrites_one_parameter_with_comments_kept_or_through_protobuf(repository):
-    """model_repository.set_parameter, as benchmarks.e2e --preprocess and the in-process e2e test use it: on the
+    """model_repository.set_parameter, as benchmarks.e2e --stages and the fused e2e test use it: on the
     shipped config (comments kept) and on one a `weights import` rewrote through protobuf (comments gone)."""
     from {{ cookiecutter.package_name }}.model_repository import save_config, set_parameter
 
@@ -208,7 +208,7 @@ def test_set_parameter_rewrites_one_parameter_with_comments_kept_or_through_prot
 
     timeout = value("bls_timeout_us")
     set_parameter(repository, "pipeline", "preprocess", "in_process")
-    assert value("preprocess") == "in_process" and value("postprocess") == "in_process"
+    assert value("preprocess") == "in_process" and value("postprocess") == "bls", "that parameter alone"
     assert "# " in (repository / "pipeline" / "config.pbtxt").read_text(), "the comments are kept"
     save_config(repository / "pipeline", load_config(repository / "pipeline"))
     set_parameter(repository, "pipeline", "preprocess", "bls")

@@ -145,17 +145,39 @@ def load_postprocess(instance: Instance, args: dict, classes: int | None = None)
     return postprocess
 
 
-def load_preprocess(instance: Instance, args: dict) -> Preprocess:
-    """The decode stage in this model's own process, set up as the preprocess model beside it is (its resize,
-    crop and max_image_pixels parameters, its PIXELS dtype, its GPU memory owned from load): for a BLS model that
-    decodes instead of calling it. The cap covers this process's torch allocations, the decode's and the
-    in-process top-k's (under 1 MiB at batch 128)."""
+def fused_preprocess(instance: Instance, args: dict):
+    """The preprocess stage in this model's own process, for a BLS model that decodes instead of calling the
+    preprocess model (the pipeline's `preprocess: "in_process"`): an async callable with the BLS call's signature,
+    encoded images (a pb_utils.Tensor) in, pixels out, that raises the error of a bad image. It is set up as the
+    preprocess model beside it is (its resize, crop and max_image_pixels parameters, its PIXELS dtype, its GPU
+    memory owned from load); the cap covers this process's torch allocations, the decode's and an in-process
+    top-k's (under 1 MiB at batch 128)."""
     repository = Path(args["model_repository"]).parent
     dtype = pixels_dtype(repository)
-    preprocess = Preprocess.from_parameters(instance.device, dtype, parameters(repository / "preprocess"))
+    decoder = Preprocess.from_parameters(instance.device, dtype, parameters(repository / "preprocess"))
     if instance.on_gpu:  # as the preprocess model does: decode memory capped, its peak held from load, not climbed to
-        preprocess.own_gpu_memory(instance.config["max_batch_size"])
+        decoder.own_gpu_memory(instance.config["max_batch_size"])
+
+    async def preprocess(images: pb_utils.Tensor) -> torch.Tensor:
+        instance.bind()
+        # Strings cannot travel through DLPack: encoded images are read as numpy, on the CPU.
+        [pixels] = decoder.batch([[bytes(image) for image in images.as_numpy().reshape(-1)]])
+        if isinstance(pixels, Exception):
+            raise pixels
+        return pixels
+
     return preprocess
+
+
+def fused_postprocess(instance: Instance, args: dict):
+    """The postprocess stage (top-k) in this model's own process (the pipeline's `postprocess: "in_process"`): an
+    async callable with the BLS call's signature, logits in, {output name: numpy array} on the host out."""
+    top_k = load_postprocess(instance, args)
+
+    async def postprocess(logits: torch.Tensor) -> dict:
+        return top_k.to_host(logits)
+
+    return postprocess
 
 
 def to_triton(name: str, tensor: torch.Tensor) -> pb_utils.Tensor:
