@@ -95,9 +95,9 @@ def where(hop, tensors):
 _infer = python_backend.Instance.infer
 
 
-async def infer(self, model_name, inputs, outputs, timeout_us=0, on_host=False):
+def infer(self, model_name, inputs, outputs, timeout_us=0, on_host=False):
     where(f"{self.name}->{model_name}", inputs)
-    result = await _infer(self, model_name, inputs, outputs, timeout_us, on_host)
+    result = _infer(self, model_name, inputs, outputs, timeout_us, on_host)
     where(f"{model_name}->{self.name}", result.values())
     return result
 
@@ -127,7 +127,7 @@ class TritonPythonModel:
         responses = self.model.execute(requests)
         if inspect.isawaitable(responses):
             responses = await responses
-        for response in responses:
+        for response in responses or []:  # None: the pipeline's guard answered them (python_backend.Guard)
             if not response.has_error():
                 where(f"{self.name}->server", response.output_tensors())
         return responses

@@ -10,10 +10,12 @@ The zero-copy rules live here, once, and so does the batching of an execute()'s 
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 import os
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,13 +60,15 @@ class Instance:
         self.host_memory = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
         self.parameters = {k: v["string_value"] for k, v in self.config.get("parameters", {}).items()}
         self.called: set[str] = set()  # the models this instance has made BLS calls to
+        self.guard = Guard()  # answers the requests of an execute whose BLS call will never return
 
     def bind(self) -> None:
         """Make this instance's GPU the calling thread's current CUDA device.
 
         The stub runs an `async def execute` on an event-loop thread of its own, where the current device is
         still cuda:0: without this, an instance on cuda:1 would create a CUDA context, streams and DLPack
-        synchronization on cuda:0 (the same class of bug as Triton server issue #6783).
+        synchronization on cuda:0 (the same class of bug as Triton server issue #6783). Every thread a model
+        starts is such a thread too.
         """
         if self.on_gpu and torch.cuda.current_device() != self.device.index:
             torch.cuda.set_device(self.device)
@@ -84,7 +88,7 @@ class Instance:
     def input(self, request, name: str) -> torch.Tensor:
         return self.to_torch(pb_utils.get_input_tensor_by_name(request, name))
 
-    async def infer(
+    def infer(
         self,
         model_name: str,
         inputs: list,
@@ -93,7 +97,8 @@ class Instance:
         on_host: bool = False,
         model_version: int = -1,
     ) -> dict:
-        """One BLS call; returns {output name: pb_utils.Tensor}, raises StageError on failure.
+        """One BLS call, synchronous (`request.exec()`); returns {output name: pb_utils.Tensor}, raises StageError on
+        failure. A call made inside `serve` that will never return is given up by the guard (`Guard`).
 
         Results land in this instance's memory (GPU or CPU) through `preferred_memory`, or in host memory with
         `on_host`: for string outputs (with GPU preferred memory Triton puts them on the GPU too, where
@@ -114,10 +119,8 @@ class Instance:
             timeout=timeout_us,
         )
         deadline_s = timeout_us / 1e6 + 5 if timeout_us else None
-        try:  # a stage whose stub died can leave a call unanswered for good (2.51, on a GPU): stub_deaths.answer
-            response = await stub_deaths.answer(model_name, request.async_exec(), deadline_s)
-        except stub_deaths.NoAnswer as exc:
-            raise StageError(str(exc), pb_utils.TritonError.UNAVAILABLE) from None
+        with self.guard.watching(model_name, deadline_s):  # a stage whose stub died may never answer (2.51, a GPU)
+            response = request.exec()
         if response.has_error():
             message = response.error().message()
             code = pb_utils.TritonError.INVALID_ARG if INVALID_INPUT in message else response.error().code()
@@ -125,6 +128,84 @@ class Instance:
                 message = f"{DEV_SHM_ADVICE}. {message}"
             raise StageError(f"{model_name}: {message}", code)
         return {name: pb_utils.get_output_tensor_by_name(response, name) for name in outputs}
+
+    def serve(self, execute, requests: list) -> list | None:
+        """`execute(requests)`: a BLS model's own execute, whose BLS calls (`infer`) block. Should one of them never
+        return, the guard answers every request meanwhile; then this returns None, as Triton has had every
+        response, and the stub stays in that call until the watchdog's reload of this model ends it."""
+        self.guard.begin(requests)
+        try:
+            responses = execute(requests)
+        except Exception:
+            if self.guard.end():
+                return None
+            raise
+        return None if self.guard.end() else responses
+
+
+class Guard:
+    """Answers the requests of an execute whose BLS call will never return, from a thread of its own.
+
+    On a GPU, Triton 2.51 never answers a BLS call to a model whose stub died while it held the call, and a
+    blocking `request.exec()` cannot be given up. So while a call waits, this thread looks every
+    `stub_deaths.POLL_S` for a death of the called model recorded since the call began (by `serve`'s watchdog,
+    about two seconds after it) or for the call's deadline, and then sends each request of the execute an
+    UNAVAILABLE error naming the model through its response sender (Triton 2.51 lets a model that is not
+    decoupled answer that way). Blocking calls, rather than `await request.async_exec()`, because they cost a
+    thread hand-over and an asyncio wake-up less each (docs/performance.md, "BLS calls").
+    """
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests: list | None = None  # the execute in flight
+        self.answered = False  # by this guard
+        self.call: tuple | None = None  # (model, started, deadline_s) of the BLS call in flight
+        self.thread: threading.Thread | None = None
+
+    def begin(self, requests: list) -> None:
+        with self.lock:
+            self.requests, self.answered = requests, False
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.run, name="bls-guard", daemon=True)
+            self.thread.start()
+
+    def end(self) -> bool:
+        """The execute is over: whether this guard answered its requests."""
+        with self.lock:
+            answered, self.requests, self.call = self.answered, None, None
+        return answered
+
+    @contextlib.contextmanager
+    def watching(self, model: str, deadline_s: float | None):
+        """`with guard.watching(model, deadline_s): request.exec()`: the call this guard watches."""
+        with self.lock:
+            if self.answered:  # given up: an execute the guard answered makes no further call
+                raise StageError(f"{model}: the execute was given up", pb_utils.TritonError.UNAVAILABLE)
+            self.call = (model, time.time(), deadline_s)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.call = None
+
+    def run(self) -> None:
+        while True:
+            time.sleep(stub_deaths.POLL_S)
+            call = self.call
+            if call is None:
+                continue
+            message = stub_deaths.given_up(*call)
+            if message is None:
+                continue
+            with self.lock:
+                if self.call is not call or self.requests is None or self.answered:
+                    continue
+                self.answered = True
+                response = error_response(StageError(message, pb_utils.TritonError.UNAVAILABLE))
+                for request in self.requests:
+                    sender = request.get_response_sender()
+                    sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            pb_utils.Logger.log_warn(f"{message}: {len(self.requests or [])} requests answered with that error")
 
 
 def load_postprocess(instance: Instance, args: dict, classes: int | None = None) -> Postprocess:
@@ -147,7 +228,7 @@ def load_postprocess(instance: Instance, args: dict, classes: int | None = None)
 
 def fused_preprocess(instance: Instance, args: dict):
     """The preprocess stage in this model's own process, for a BLS model that decodes instead of calling the
-    preprocess model (the pipeline's `preprocess: "in_process"`): an async callable with the BLS call's signature,
+    preprocess model (the pipeline's `preprocess: "in_process"`): a callable with the BLS call's signature,
     encoded images (a pb_utils.Tensor) in, pixels out, that raises the error of a bad image. It is set up as the
     preprocess model beside it is (its resize, crop and max_image_pixels parameters, its PIXELS dtype, its GPU
     memory owned from load); the cap covers this process's torch allocations, the decode's and an in-process
@@ -158,7 +239,7 @@ def fused_preprocess(instance: Instance, args: dict):
     if instance.on_gpu:  # as the preprocess model does: decode memory capped, its peak held from load, not climbed to
         decoder.own_gpu_memory(instance.config["max_batch_size"])
 
-    async def preprocess(images: pb_utils.Tensor) -> torch.Tensor:
+    def preprocess(images: pb_utils.Tensor) -> torch.Tensor:
         instance.bind()
         # Strings cannot travel through DLPack: encoded images are read as numpy, on the CPU.
         [pixels] = decoder.batch([[bytes(image) for image in images.as_numpy().reshape(-1)]])
@@ -170,11 +251,11 @@ def fused_preprocess(instance: Instance, args: dict):
 
 
 def fused_postprocess(instance: Instance, args: dict):
-    """The postprocess stage (top-k) in this model's own process (the pipeline's `postprocess: "in_process"`): an
-    async callable with the BLS call's signature, logits in, {output name: numpy array} on the host out."""
+    """The postprocess stage (top-k) in this model's own process (the pipeline's `postprocess: "in_process"`): a
+    callable with the BLS call's signature, logits in, {output name: numpy array} on the host out."""
     top_k = load_postprocess(instance, args)
 
-    async def postprocess(logits: torch.Tensor) -> dict:
+    def postprocess(logits: torch.Tensor) -> dict:
         return top_k.to_host(logits)
 
     return postprocess
@@ -273,16 +354,16 @@ class Batch:
         sizes = [part if isinstance(part, Exception) else _count(part) for part in parts]
         return cls(join(rows) if rows else None, sizes)
 
-    async def then(self, stage, by: list | None = None) -> Batch:
-        """The next stage, `await stage(data)`, once for every request still served; if it raises, each of them
-        answers with its error. With `by` (a key per request, e.g. the model version it asks for; an exception:
-        that request answers with it), once per key, `await stage(rows, key)` on the rows of that key's requests."""
+    def then(self, stage, by: list | None = None) -> Batch:
+        """The next stage, `stage(data)`, once for every request still served; if it raises, each of them answers
+        with its error. With `by` (a key per request, e.g. the model version it asks for; an exception: that
+        request answers with it), once per key, `stage(rows, key)` on the rows of that key's requests."""
         if by is not None:
-            return await self._then_by(stage, by)
+            return self._then_by(stage, by)
         if self.data is None:
             return self
         try:
-            return Batch(await stage(self.data), self.sizes)
+            return Batch(stage(self.data), self.sizes)
         except Exception as exc:
             return Batch(None, [size if isinstance(size, Exception) else exc for size in self.sizes])
 
@@ -298,7 +379,7 @@ class Batch:
                     parts[i], dropped = exc, True
         return Batch.of(parts) if dropped else self
 
-    async def _then_by(self, stage, keys: list) -> Batch:
+    def _then_by(self, stage, keys: list) -> Batch:
         parts = [
             key if isinstance(key, Exception) and not isinstance(part, Exception) else part
             for part, key in zip(_parts(self.data, self.sizes), keys)
@@ -309,30 +390,37 @@ class Batch:
                 groups.setdefault(keys[i], []).append(i)
         served = sum(not isinstance(size, Exception) for size in self.sizes)
 
-        async def serve(key, members: list[int]) -> Batch:  # every request still served in one group: no copy
+        def serve(key, members: list[int]) -> Batch:  # every request still served in one group: no copy
             batch = Batch(self.data, [self.sizes[i] for i in members]) if len(members) == served else None
-            return await (batch or Batch.of([parts[i] for i in members])).then(lambda data: stage(data, key))
+            return (batch or Batch.of([parts[i] for i in members])).then(lambda data: stage(data, key))
 
-        done = await asyncio.gather(*(serve(key, members) for key, members in groups.items()))
+        done = [serve(key, members) for key, members in groups.items()]
         for members, batch in zip(groups.values(), done):
             for i, part in zip(members, _parts(batch.data, batch.sizes)):
                 parts[i] = part
         return Batch.of(parts)
 
 
-async def batch_then_alone(stage, inputs: list[pb_utils.Tensor]) -> Batch:
-    """`await stage(x)` once on every request's input joined (a host input, as encoded images are); if that fails
+def batch_then_alone(stage, inputs: list[pb_utils.Tensor]) -> Batch:
+    """`stage(x)` once on every request's input joined (a host input, as encoded images are); if that fails
     with an input error, once on each request's input alone, so that the error reaches only the request that sent
     the bad input. Any other error (overload, a timeout) is no request's fault: every request answers with it."""
     joined = inputs[0]
     if len(inputs) > 1:
         joined = pb_utils.Tensor(inputs[0].name(), np.concatenate([tensor.as_numpy() for tensor in inputs]))
     try:
-        return Batch(await stage(joined), [tensor.shape()[0] for tensor in inputs])
+        return Batch(stage(joined), [tensor.shape()[0] for tensor in inputs])
     except Exception as exc:
         if len(inputs) == 1 or not is_input_error(exc):
             return Batch(None, [exc] * len(inputs))
-    return Batch.of(await asyncio.gather(*(stage(tensor) for tensor in inputs), return_exceptions=True))
+    return Batch.of([_result_or_error(stage, tensor) for tensor in inputs])
+
+
+def _result_or_error(stage, tensor: pb_utils.Tensor) -> Any:
+    try:
+        return stage(tensor)
+    except Exception as exc:
+        return exc
 
 
 def exit_stub() -> None:

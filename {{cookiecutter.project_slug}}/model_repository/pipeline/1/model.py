@@ -1,9 +1,11 @@
 """The BLS entry point: preprocess -> resnet -> postprocess, three Triton models called in order, GPU tensors
 handed from one to the next zero-copy with DLPack.
 
-All requests of one execute() make one batch: one BLS call to each model. A request whose images fail to decode
-gets its own error; the rest are served (`Batch` in python_backend.py keeps the requests apart). Edit the routing
-here: this is the file to make yours.
+All requests of one execute() make one batch: one BLS call to each model, in order. A request whose images fail
+to decode gets its own error; the rest are served (`Batch` in python_backend.py keeps the requests apart). The
+calls block (`request.exec()`): each costs less than an awaited one, and `Instance.serve` answers the requests if
+a called model's stub dies under a call (python_backend.Guard). Edit the routing here: this is the file to make
+yours.
 
 The parameters `preprocess` and `postprocess` (config.pbtxt) can run a stage's code in this process instead of
 calling its model ("in_process"): faster at low concurrency, at a cost in GPU memory and in what separate models
@@ -33,26 +35,29 @@ class TritonPythonModel:
         if self.instance.parameters["postprocess"] == "in_process":
             self.postprocess = fused_postprocess(self.instance, args)
 
-    async def execute(self, requests):
+    def execute(self, requests):
+        return self.instance.serve(self.classify, requests)
+
+    def classify(self, requests):
         images = [pb_utils.get_input_tensor_by_name(request, "IMAGE") for request in requests]
-        pixels = await batch_then_alone(self.preprocess, images)  # one call; a bad image fails its own request
-        logits = await pixels.then(self.resnet)  # once for every request still served
-        results = await logits.then(self.postprocess)
+        pixels = batch_then_alone(self.preprocess, images)  # one call; a bad image fails its own request
+        logits = pixels.then(self.resnet)  # once for every request still served
+        results = logits.then(self.postprocess)
         return split_responses(results.data, results.sizes)
 
-    async def preprocess(self, images):
-        result = await self.instance.infer("preprocess", [images], ["PIXELS"], self.timeout_us)
+    def preprocess(self, images):
+        result = self.instance.infer("preprocess", [images], ["PIXELS"], self.timeout_us)
         return self.instance.to_torch(result["PIXELS"])
 
-    async def resnet(self, pixels):
-        result = await self.instance.infer("resnet", [to_triton("PIXELS", pixels)], ["LOGITS"], self.timeout_us)
+    def resnet(self, pixels):
+        result = self.instance.infer("resnet", [to_triton("PIXELS", pixels)], ["LOGITS"], self.timeout_us)
         return self.instance.to_torch(result["LOGITS"])
 
-    async def postprocess(self, logits):
+    def postprocess(self, logits):
         # The top-k results only go back to the client over gRPC, so they come back in host memory (a few bytes per
         # image; LABELS are strings, which can neither live on the GPU nor travel through DLPack).
         inputs = [to_triton("LOGITS", logits)]
-        result = await self.instance.infer("postprocess", inputs, OUTPUTS, self.timeout_us, on_host=True)
+        result = self.instance.infer("postprocess", inputs, OUTPUTS, self.timeout_us, on_host=True)
         return {name: result[name].as_numpy() for name in OUTPUTS}
 
     def finalize(self):
