@@ -387,7 +387,8 @@ def test_a_call_that_never_returns_is_answered_by_the_guard_and_the_server_lives
     watchdog does: the server lives on and serves."""
     repo = tmp_path / "model_repository"
     shutil.copytree(model_repository, repo, copy_function=os.link, ignore=shutil.ignore_patterns("__pycache__"))
-    for path in (repo / "preprocess/1/model.py", repo / "pipeline/config.pbtxt"):  # written to: real copies
+    for path in (repo / "preprocess/1/model.py", *(repo / m / "config.pbtxt" for m in ("preprocess", "pipeline"))):
+        # written to: real copies, not links to the shared repository's files
         path.unlink()
         shutil.copy(model_repository / path.relative_to(repo), path)
     model = repo / "preprocess/1/model.py"
