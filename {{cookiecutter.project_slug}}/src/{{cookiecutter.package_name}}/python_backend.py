@@ -152,7 +152,7 @@ class Guard:
     about two seconds after it) or for the call's deadline, and then sends each request of the execute an
     UNAVAILABLE error naming the model through its response sender (Triton 2.51 lets a model that is not
     decoupled answer that way). Blocking calls, rather than `await request.async_exec()`, because they cost a
-    thread hand-over and an asyncio wake-up less each (docs/performance.md, "BLS calls").
+    thread hand-over and an asyncio wake-up less each (docs/performance.md, "BLS calls: blocking, with a guard").
     """
 
     def __init__(self):
@@ -205,7 +205,8 @@ class Guard:
                 for request in self.requests:
                     sender = request.get_response_sender()
                     sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            pb_utils.Logger.log_warn(f"{message}: {len(self.requests or [])} requests answered with that error")
+                answered = len(self.requests)
+            pb_utils.Logger.log_warn(f"{message}: {answered} requests answered with that error")
 
 
 def load_postprocess(instance: Instance, args: dict, classes: int | None = None) -> Postprocess:
