@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -253,3 +255,37 @@ def test_serve_shows_progress_keeps_the_log_in_a_file_and_says_when_it_stopped(m
     if not visible_gpus():
         assert "CUDA driver version is insufficient" in logged, "the CPU host's CUDA lines are kept in the file"
     assert len(lines) < 30, "a short view: " + "\n".join(lines)
+
+
+@local_server_only
+@pytest.mark.parametrize(
+    "failure, says",
+    [
+        ("raise RuntimeError('boom in initialize')", "failed to load: Internal: RuntimeError: boom in initialize"),
+        # whichever notices first: serve (the stub a zombie) or the Python backend (the stub's health)
+        ("import os; os._exit(3)", r"(its stub \(pid \d+\) exited|failed to load: .*'postprocess_0_0' is not healthy)"),
+    ],
+    ids=["initialize-raises", "stub-exits"],
+)
+def test_serve_fails_fast_naming_a_model_that_cannot_load(model_repository, env, tmp_path, failure, says):
+    """A model whose initialize raises, or whose stub exits at start-up: `serve` fails within 30 s, exit 1, with
+    the model named, why, and the log's last lines, instead of waiting for every other model to load and for the
+    Python backend's stub timeout (on a GPU a dead stub can keep Triton waiting for good). A repository of that one
+    model, so that the 30 s measure the failure, not a loaded CI machine's other loads."""
+    repo = tmp_path / "model_repository"
+    (repo / "postprocess" / "1").mkdir(parents=True)
+    shutil.copy(model_repository / "postprocess" / "config.pbtxt", repo / "postprocess" / "config.pbtxt")
+    model = (model_repository / "postprocess" / "1" / "model.py").read_text()
+    marker = "    def initialize(self, args):\n"
+    (repo / "postprocess" / "1" / "model.py").write_text(model.replace(marker, f"{marker}        {failure}\n", 1))
+    ports = [str(free_port()) for _ in range(3)]
+    argv = [*CLI, "serve", "--model-repository", str(repo), "--log-file", str(tmp_path / "triton.log")]
+    argv += ["--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2], "--timeout", "300"]
+    started = time.monotonic()
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - started
+    print(f"\nserve failed after {took:.1f} s:\n{done.stderr}")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert re.search(f"error: model 'postprocess': {says}", done.stderr), done.stderr
+    assert "the log's last lines:" in done.stderr
+    assert took < 30, took

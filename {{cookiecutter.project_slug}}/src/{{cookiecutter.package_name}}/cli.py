@@ -12,6 +12,9 @@ from pathlib import Path
 REPOSITORY = Path("model_repository")
 
 
+LOG_TAIL_LINES = 15  # of tritonserver's log, shown when the models fail to load
+
+
 def serve(args) -> int:
     """Run tritonserver on the model repository until Ctrl-C (or SIGTERM, SIGHUP): check, start, watch, stop."""
     import time
@@ -87,10 +90,14 @@ def run_until_stopped(args, server, pump, started: float, key_place: str | None)
     )
     try:
         try:
-            server.wait_ready(args.timeout)
+            server.wait_ready(args.timeout, load_errors=pump.load_errors if pump else None)
         except (RuntimeError, TimeoutError) as exc:
             where = f": {pump.path}" if pump else " above"
             print(f"error: {exc}; the models' errors are in tritonserver's log{where}", file=sys.stderr)
+            if pump is not None:  # its last lines (a stub's own output ends up there too)
+                time.sleep(0.5)  # what the server wrote last has reached the file
+                tail = pump.path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+                print("\n".join(["the log's last lines:", *(f"  {line}" for line in tail)]), file=sys.stderr)
             return 1
         print_ready(server, started, key_place)
         if args.watchdog_interval > 0:

@@ -25,6 +25,7 @@ HARMLESS_WITHOUT_GPU = (
 )
 LOADING = re.compile(r'"loading: ([^:"]+):\d+"')
 LOADED = re.compile(r"\"successfully loaded '([^']+)'\"")
+LOAD_FAILED = re.compile(r"\"failed to load '([^']+)' version \d+: (.*)\"$")
 ERROR = re.compile(r"^E\d{4} |^Error: ")
 
 
@@ -47,11 +48,14 @@ class LogPump(threading.Thread):
         self.cpu_only = not gpus
         self.loading: set[str] = set()
         self.quiet_lines = 0  # harmless lines left out of the terminal
+        self.load_errors: dict[str, str] = {}  # model -> why it failed to load, as Triton logged it
 
     def harmless(self, line: str) -> bool:
         return self.cpu_only and any(text in line for text in HARMLESS_WITHOUT_GPU)
 
     def show(self, line: str) -> None:
+        if failed := LOAD_FAILED.search(line.rstrip()):
+            self.load_errors.setdefault(failed.group(1), failed.group(2).replace("\\n", "\n").strip())
         if self.verbose:
             if self.harmless(line):
                 self.quiet_lines += 1

@@ -39,11 +39,14 @@ REPLACED_GRACE_S = 40
 STUB_COMMAND = "triton_python_b"  # the kernel's 15-character name of triton_python_backend_stub
 
 
-def stub_processes(server_pid: int) -> dict[int, str | None]:
+def stub_processes(server_pid: int, instances_only: bool = False) -> dict[int, str | None]:
     """The Python-backend stubs of the tritonserver process `server_pid`: {pid: model name}, None for a stub that
     has died (a zombie: it has exited and the server has not reaped it, which 2.51 does only on a reload).
+    `instances_only`: without the short-lived stub the backend starts as it loads a model, to complete its config.
 
-    A stub's command line is `triton_python_backend_stub <repository>/<model>/<version>/model.py ...`."""
+    A stub's command line is `triton_python_backend_stub <repository>/<model>/<version>/model.py <region> <sizes>
+    <parent pid> <libpython> <ipc handle> <name> ...`, the name being the instance's (`<model>_<group>_<index>`) or,
+    for that config stub, the model's."""
     stubs = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -55,6 +58,8 @@ def stub_processes(server_pid: int) -> dict[int, str | None]:
         except (OSError, ValueError):
             continue  # gone meanwhile
         model = Path(argv[1].decode()).parent.parent.name if fields[0] != "Z" and len(argv) > 1 else None
+        if instances_only and model is not None and len(argv) > 8 and argv[8].decode() == model:
+            continue
         stubs[int(stat.parent.name)] = model
     return stubs
 

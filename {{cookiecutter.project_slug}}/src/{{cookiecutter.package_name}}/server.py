@@ -255,6 +255,14 @@ def print_model_states(states: dict[str, str]) -> None:
 TEARDOWN_GRACE_S = 3
 
 
+class ModelLoadError(RuntimeError):
+    """A model failed to load while the server started: `model` names it."""
+
+    def __init__(self, model: str, reason: str):
+        super().__init__(f"model {model!r}: {reason}")
+        self.model = model
+
+
 class TritonServer:
     """A tritonserver process: start, wait until ready, stop. Usable as a context manager.
 
@@ -314,15 +322,34 @@ class TritonServer:
     def grpc_url(self) -> str:
         return f"localhost:{self.settings.grpc_port}"
 
-    def wait_ready(self, timeout_s: float = 300, progress=None) -> None:
-        """Block until every model is loaded; `progress(states)` is called whenever model states change."""
+    def wait_ready(self, timeout_s: float = 300, progress=None, load_errors: dict | None = None) -> None:
+        """Block until every model is loaded; `progress(states)` is called whenever model states change.
+
+        Fails fast, naming the model (ModelLoadError), once a model has failed to load (`load_errors`, filled by
+        `console.LogPump` from the server's log) or a model instance's stub has exited before the server was ready:
+        2.51 first loads every other model (a minute on a CPU) and only then exits, and it takes its stub timeout to
+        notice a stub that died (48 s on a 2-core CPU; on a GPU it can wait for good)."""
         import tritonclient.grpc as grpcclient
 
+        from .health import stub_processes
+
         client = grpcclient.InferenceServerClient(self.grpc_url)
-        deadline, last = time.monotonic() + timeout_s, None
+        deadline, last, stubs, dead = time.monotonic() + timeout_s, None, {}, None
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
+            exited = self.process.poll() is not None
+            if exited and load_errors is not None:
+                time.sleep(0.5)  # the log pump reads the last lines the server wrote
+            for model, reason in (load_errors or {}).copy().items():
+                raise ModelLoadError(model, f"failed to load: {reason}")
+            if exited:
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode} before it was ready")
+            if dead is not None and time.monotonic() - dead[2] >= 1:  # its model's load error, if any, came first
+                raise ModelLoadError(dead[0], f"its stub (pid {dead[1]}) exited before the server was ready")
+            for pid, model in stub_processes(self.process.pid, instances_only=True).items():
+                if model is not None:
+                    stubs[pid] = model
+                elif pid in stubs and dead is None:  # a zombie: the stub exited, and the server has not reaped it
+                    dead = (stubs[pid], pid, time.monotonic())
             try:
                 index = client.get_model_repository_index(headers=self.settings.admin_headers, as_json=True)
                 index = index.get("models", [])
