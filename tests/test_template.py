@@ -85,6 +85,7 @@ src/image_classifier/health.py
 src/image_classifier/model_repository.py
 src/image_classifier/mps.py
 src/image_classifier/python_backend.py
+src/image_classifier/restarts.py
 src/image_classifier/server.py
 src/image_classifier/shm.py
 src/image_classifier/stages.py

@@ -3,6 +3,7 @@ status, the admin key (none, wrong, from the file `serve` keeps), and `serve`'s 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,9 +17,10 @@ from pathlib import Path
 import pytest
 from conftest import local_server_only, make_image
 
-from {{ cookiecutter.package_name }} import admin_key
+from {{ cookiecutter.package_name }} import admin_key, restarts
 from {{ cookiecutter.package_name }}.client import ImageClassifier
 from {{ cookiecutter.package_name }}.console import HARMLESS_WITHOUT_GPU
+from {{ cookiecutter.package_name }}.health import orphaned_stubs, stub_processes
 from {{ cookiecutter.package_name }}.model_repository import labels_path, top_k
 from {{ cookiecutter.package_name }}.server import free_port, visible_gpus
 from {{ cookiecutter.package_name }}.stages import read_labels
@@ -289,3 +291,61 @@ def test_serve_fails_fast_naming_a_model_that_cannot_load(model_repository, env,
     assert re.search(f"error: model 'postprocess': {says}", done.stderr), done.stderr
     assert "the log's last lines:" in done.stderr
     assert took < 30, took
+
+
+@local_server_only
+def test_serve_starts_a_killed_tritonserver_again_and_health_says_so(model_repository, env, tmp_path):
+    """tritonserver killed by hand (SIGKILL) under `serve`, as a crash of the server itself would end it: serve
+    says why and starts it again on the same ports, serving within 60 s on the CPU, with the dead server's stubs
+    ended; `health` answers healthy and says how often and why; Ctrl-C then stops everything, exit 0."""
+    ports = [str(free_port()) for _ in range(3)]
+    argv = [*CLI, "serve", "--model-repository", str(model_repository), "--log-file", str(tmp_path / "triton.log")]
+    argv += ["--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]]
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+
+    def read_until(prefix: str, timeout_s: float) -> float:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and (line := process.stdout.readline()):
+            lines.append(line.rstrip("\n"))
+            if line.startswith(prefix):
+                return time.monotonic()
+        raise AssertionError(f"no line starting {prefix!r}:\n" + "\n".join(lines))
+
+    def tritonserver() -> tuple[int, str]:
+        """(pid, /dev/shm prefix) of serve's tritonserver."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                argv = (stat.parent / "cmdline").read_bytes().decode().split("\0")
+                if int(fields[1]) == process.pid and Path(argv[0]).name == "tritonserver":
+                    flag = next(a for a in argv if "shm-region-prefix-name=" in a)
+                    return int(stat.parent.name), flag.split("=", 1)[1]
+        raise AssertionError("serve has no tritonserver")
+
+    try:
+        read_until("admin key: ", 600)
+        first, prefix = tritonserver()
+        os.kill(first, signal.SIGKILL)
+        killed = time.monotonic()
+        served_again = read_until("serving again ", 120)
+        print(f"\nserved again {served_again - killed:.1f} s after the kill:\n" + "\n".join(lines[-8:]))
+        assert "tritonserver killed by SIGKILL: starting it again (restart 1)" in lines
+        assert served_again - killed < 60
+        second, _ = tritonserver()
+        assert second != first
+        assert set(orphaned_stubs(prefix)) <= set(stub_processes(second)), "the dead server's stubs are gone"
+        health = subprocess.run([*CLI, "health", "--url", f"localhost:{ports[1]}"], env=env, capture_output=True,
+                                text=True, timeout=120)  # fmt: skip
+        assert health.returncode == 0, health.stdout + health.stderr
+        assert health.stdout.startswith("healthy\n")
+        assert "tritonserver restarted by serve 1 time; last at " in health.stdout
+        assert health.stdout.rstrip().endswith(": killed by SIGKILL"), health.stdout
+    finally:
+        process.send_signal(signal.SIGTERM)
+        rest, _ = process.communicate(timeout=300)
+    lines += rest.splitlines()
+    assert process.returncode == 0, lines
+    assert lines[-1].startswith("stopped in ")
+    assert orphaned_stubs(prefix) == [], "no stub left"
+    assert not restarts.record_path(int(ports[1])).exists(), "serve's record goes with it"

@@ -79,47 +79,78 @@ def start_server(args, settings, container: bool, started: float):
 
 
 def run_until_stopped(args, server, pump, started: float, key_place: str | None) -> int:
-    """Wait until the server is ready, watch its stubs until Ctrl-C or its exit, then drain and stop it."""
+    """Wait until the server is ready and watch its stubs until Ctrl-C, then drain and stop it. Should
+    tritonserver itself die meanwhile, start it again, within limits (restarts.py)."""
     import subprocess
     import time
 
+    from .console import LogPump
     from .health import StubWatchdog
+    from .restarts import RESTART_WINDOW_S, Restarts, why_it_ended
 
-    watchdog = StubWatchdog(
-        server.grpc_url, server.settings.admin_headers, interval_s=args.watchdog_interval, server_pid=server.process.pid
-    )
+    restarts, watchdog, gave_up = Restarts(server.settings.grpc_port), None, False
     try:
-        try:
-            server.wait_ready(args.timeout, load_errors=pump.load_errors if pump else None)
-        except (RuntimeError, TimeoutError) as exc:
-            where = f": {pump.path}" if pump else " above"
-            print(f"error: {exc}; the models' errors are in tritonserver's log{where}", file=sys.stderr)
-            if pump is not None:  # its last lines (a stub's own output ends up there too)
-                time.sleep(0.5)  # what the server wrote last has reached the file
-                tail = pump.path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-                print("\n".join(["the log's last lines:", *(f"  {line}" for line in tail)]), file=sys.stderr)
-            return 1
-        print_ready(server, started, key_place)
-        if args.watchdog_interval > 0:
-            watchdog.start()
-        # Not one blocking wait(): the kernel may hand SIGTERM to another thread (log pump, watchdog, gRPC), and
-        # Python runs its handler only when this thread runs again, which a blocked waitpid() never lets it do.
         while True:
             try:
-                server.process.wait(timeout=1)
+                server.wait_ready(args.timeout, load_errors=pump.load_errors if pump else None)
+            except (RuntimeError, TimeoutError) as exc:
+                where = f": {pump.path}" if pump else " above"
+                print(f"error: {exc}; the models' errors are in tritonserver's log{where}", file=sys.stderr)
+                if pump is not None:  # its last lines (a stub's own output ends up there too)
+                    time.sleep(0.5)  # what the server wrote last has reached the file
+                    tail = pump.path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+                    print("\n".join(["the log's last lines:", *(f"  {line}" for line in tail)]), file=sys.stderr)
+                return 1
+            if restarts.times:
+                print(f"serving again {time.time() - restarts.times[-1]:.1f} s after tritonserver ended", flush=True)
+            else:
+                print_ready(server, started, key_place)
+            watchdog = StubWatchdog(
+                server.grpc_url,
+                server.settings.admin_headers,
+                interval_s=args.watchdog_interval,
+                server_pid=server.process.pid,
+            )
+            if args.watchdog_interval > 0:
+                watchdog.start()
+            # Not one blocking wait(): the kernel may hand SIGTERM to another thread (log pump, watchdog, gRPC), and
+            # Python runs its handler only when this thread runs again, which a blocked waitpid() never lets it do.
+            while True:
+                try:
+                    server.process.wait(timeout=1)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+            watchdog.stop()
+            why = why_it_ended(server.process.returncode)
+            if not restarts.allowed():
+                print(
+                    f"error: tritonserver {why}, the {len(restarts.times) + 1}th time within "
+                    f"{RESTART_WINDOW_S / 60:.0f} minutes: not starting it again",
+                    file=sys.stderr,
+                )
+                gave_up = True
                 break
-            except subprocess.TimeoutExpired:
-                pass
+            print(f"tritonserver {why}: starting it again (restart {len(restarts.times) + 1})", flush=True)
+            restarts.record(why)
+            if pump is not None:
+                pump.join(timeout=5)
+            server.restart()
+            if pump is not None:
+                pump = LogPump(server.process.stdout, pump.path, server.settings.gpus, args.verbose, time.monotonic())
+                pump.start()
     except KeyboardInterrupt:
         print("stopping (in-flight requests finish first)...")
     finally:
-        watchdog.stop()  # no reloads while the server drains and stops
+        if watchdog is not None:
+            watchdog.stop()  # no reloads while the server drains and stops
         stopping = time.monotonic()
         returncode = server.stop()  # the exit code, also when the server had already exited
         if pump is not None:
             pump.join(timeout=5)
+        restarts.forget()
         print(f"stopped in {time.monotonic() - stopping:.1f} s")
-    return returncode or 0
+    return 1 if gave_up else returncode or 0
 
 
 def print_ready(server, started: float, key_place: str | None) -> None:
@@ -143,9 +174,13 @@ def print_ready(server, started: float, key_place: str | None) -> None:
 def health(args) -> int:
     """Exit 0 only if the server is ready and the pipeline answers a real request (a dead stub fails it)."""
     from .health import probe
+    from .restarts import summary
 
     error = probe(args.url, args.model, timeout_s=args.timeout)
     print(f"unhealthy: {error}" if error else "healthy")
+    port = args.url.rsplit(":", 1)[-1]
+    if port.isdigit() and (restarts := summary(int(port))):  # a `serve` of this host serves that port
+        print(restarts)
     return 1 if error else 0
 
 

@@ -64,6 +64,22 @@ def stub_processes(server_pid: int, instances_only: bool = False) -> dict[int, s
     return stubs
 
 
+def orphaned_stubs(shm_prefix: str) -> list[int]:
+    """The stubs a tritonserver that died left running: those whose /dev/shm region has its prefix (the third
+    word of a stub's command line), whatever their parent now is."""
+    pids = []
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            if comm.read_text().strip() != STUB_COMMAND:
+                continue
+            argv = (comm.parent / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile
+        if len(argv) > 2 and argv[2].decode(errors="replace").startswith(shm_prefix):
+            pids.append(int(comm.parent.name))
+    return pids
+
+
 @functools.cache
 def probe_image() -> bytes:
     buffer = io.BytesIO()

@@ -439,6 +439,17 @@ class TritonServer:
         finally:
             self.remove_shm_regions()
 
+    def restart(self) -> TritonServer:
+        """Start the server again after its process died on its own (restarts.py): its stubs, which outlive it
+        (orphans, found by this server's /dev/shm prefix), and their regions go first; the MPS daemon stays."""
+        from .health import orphaned_stubs
+
+        for pid in orphaned_stubs(self.settings.shm_prefix):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        self.remove_shm_regions()
+        return self.start()
+
     def remove_shm_regions(self) -> None:
         """A stub that died (killed, crashed) never unlinks its /dev/shm region, and after such a crash
         Triton 2.51 waits out its exit timeout instead of cleaning up: this server's prefix finds them.
