@@ -31,6 +31,9 @@ pytestmark = pytest.mark.e2e
 CLIENTS, REQUESTS_PER_CLIENT = (32, 5000) if os.environ.get("RELIABILITY_FULL") else (8, 25)
 
 
+PROJECT = Path(__file__).resolve().parents[1]  # the project's root: benchmarks/ is there
+
+
 def raw_input(name, array, dtype):
     tensor = grpcclient.InferInput(name, list(array.shape), dtype)
     tensor.set_data_from_numpy(array)
@@ -580,3 +583,19 @@ def test_the_watchdog_ends_the_stubs_of_a_replaced_version_that_outlive_it(own_s
         for model in ("pipeline", "ensemble"):
             if (Path(own_server.settings.model_repository) / model).is_dir():  # a bake may leave the ensemble out
                 assert probe(url, model) is None, model
+
+
+@local_server_only
+def test_reload_stress_short_form_aborts_nothing_and_loses_no_request(tmp_path):
+    """benchmarks/reload_stress.py in short: 12 pipeline reloads (new version, same version, config change) under
+    load, a pipeline stub SIGKILLed every third (twice in execute, twice in finalize), then a stop during a
+    reload: the server never ends, every request is answered or fails with an error, and the stop leaves nothing.
+    The long form (300 reloads) is `python -m benchmarks.reload_stress` (docs/deployment.md)."""
+    argv = [sys.executable, "-m", "benchmarks.reload_stress", "--reloads", "12", "--kill-every", "3"]
+    done = subprocess.run([*argv, "--out", str(tmp_path)], cwd=PROJECT, capture_output=True, text=True, timeout=900)
+    print(done.stdout[-4000:], done.stderr[-2000:])
+    summary = json.loads((tmp_path / "reload_stress.json").read_text())["summary"]
+    assert summary["aborts"] == 0 and summary["lost"] == 0, summary
+    assert summary["kills"] == {"execute": 2, "finalize": 2}, summary
+    assert summary["answered"] > 0 and summary["left_after_stop"] == {"stubs": 0, "shm_regions": 0}, summary
+    assert done.returncode == 0
