@@ -37,6 +37,7 @@ benchmarks/hop_models/hop_driver/config.pbtxt
 benchmarks/hop_models/hop_sink/1/model.py
 benchmarks/hop_models/hop_sink/config.pbtxt
 benchmarks/inprocess.py
+benchmarks/reload_stress.py
 benchmarks/results/.gitignore
 benchmarks/run.py
 benchmarks/soak.py
