@@ -39,6 +39,21 @@ REPLACED_GRACE_S = 40
 STUB_COMMAND = "triton_python_b"  # the kernel's 15-character name of triton_python_backend_stub
 
 
+def _stubs():
+    """(pid, state, parent pid, command line) of every Python-backend stub of this host (a zombie's command line
+    is empty)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            command, fields = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+            if command != STUB_COMMAND:
+                continue
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        yield int(stat.parent.name), fields[0], int(fields[1]), argv
+
+
 def stub_processes(server_pid: int, instances_only: bool = False) -> dict[int, str | None]:
     """The Python-backend stubs of the tritonserver process `server_pid`: {pid: model name}, None for a stub that
     has died (a zombie: it has exited and the server has not reaped it, which 2.51 does only on a reload).
@@ -48,36 +63,22 @@ def stub_processes(server_pid: int, instances_only: bool = False) -> dict[int, s
     <parent pid> <libpython> <ipc handle> <name> ...`, the name being the instance's (`<model>_<group>_<index>`) or,
     for that config stub, the model's."""
     stubs = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-            command, fields = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
-            if command != STUB_COMMAND or int(fields[1]) != server_pid:
-                continue
-            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue  # gone meanwhile
-        model = Path(argv[1].decode()).parent.parent.name if fields[0] != "Z" and len(argv) > 1 else None
+    for pid, state, parent, argv in _stubs():
+        if parent != server_pid:
+            continue
+        model = Path(argv[1].decode()).parent.parent.name if state != "Z" and len(argv) > 1 else None
         if instances_only and model is not None and len(argv) > 8 and argv[8].decode() == model:
             continue
-        stubs[int(stat.parent.name)] = model
+        stubs[pid] = model
     return stubs
 
 
 def orphaned_stubs(shm_prefix: str) -> list[int]:
     """The stubs a tritonserver that died left running: those whose /dev/shm region has its prefix (the third
     word of a stub's command line), whatever their parent now is."""
-    pids = []
-    for comm in Path("/proc").glob("[0-9]*/comm"):
-        try:
-            if comm.read_text().strip() != STUB_COMMAND:
-                continue
-            argv = (comm.parent / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue  # gone meanwhile
-        if len(argv) > 2 and argv[2].decode(errors="replace").startswith(shm_prefix):
-            pids.append(int(comm.parent.name))
-    return pids
+    return [
+        pid for pid, _, _, argv in _stubs() if len(argv) > 2 and argv[2].decode(errors="replace").startswith(shm_prefix)
+    ]
 
 
 @functools.cache
