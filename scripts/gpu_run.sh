@@ -8,6 +8,8 @@
 #   "inprocess ARGS"  python -m benchmarks.inprocess   "e2e LABEL ARGS"  python -m benchmarks.e2e
 #   "hop ARGS"        python -m benchmarks.hop         "pytest ARGS"     the baked project's tests
 #   "soak ARGS"       python -m benchmarks.soak (memory over a long mixed load)
+#   "sh COMMAND"      a shell command in the baked project, e.g. a sed on model_repository/*/config.pbtxt
+#                     between two e2e steps (an instance-count sweep in one call)
 #   "probe FILE"      serve FILE (a probe pipeline model.py, relative to the template root, e.g.
 #                     docs/benchmarks/bls-execute-probe/inprocess_preprocess_model.py) as the pipeline in the steps after it;
 #                     the shipped model.py stays beside it as shipped_model.py (phases_model.py wraps it)
@@ -37,6 +39,7 @@ for step in "$@"; do
     e2e) "${limit[@]}" python -m benchmarks.e2e "${words[@]:2}" --out "$work/e2e-${words[1]}" ;;
     pytest) "${limit[@]}" pytest "${words[@]:1}" -p no:cacheprovider ;;
     soak) "${limit[@]}" python -m benchmarks.soak "${words[@]:1}" --out "$work/soak" ;;
+    sh) "${limit[@]}" bash -c "${step#*sh }" ;;
     probe)  # the shipped model.py stays beside it as shipped_model.py, for a probe that wraps it (phases_model.py)
       version=model_repository/pipeline/1
       [[ -f $version/shipped_model.py ]] || cp "$version/model.py" "$version/shipped_model.py"

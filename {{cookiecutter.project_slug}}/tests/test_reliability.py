@@ -23,7 +23,16 @@ from PIL import Image
 from tritonclient.utils import InferenceServerException
 
 from {{ cookiecutter.package_name }} import stub_deaths
-from {{ cookiecutter.package_name }}.health import REPLACED_GRACE_S, StubWatchdog, probe, restart, stub_processes
+from {{ cookiecutter.package_name }}.health import (
+    GET_ROBUST_LIST,
+    REPLACED_GRACE_S,
+    StubWatchdog,
+    holds_robust_lock,
+    kill_outside_locks,
+    probe,
+    restart,
+    stub_processes,
+)
 from {{ cookiecutter.package_name }}.model_repository import bls_callers, load_config, set_instance_counts, set_parameter
 from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
 
@@ -583,6 +592,60 @@ def test_the_watchdog_ends_the_stubs_of_a_replaced_version_that_outlive_it(own_s
         for model in ("pipeline", "ensemble"):
             if (Path(own_server.settings.model_repository) / model).is_dir():  # a bake may leave the ensemble out
                 assert probe(url, model) is None, model
+
+
+ROBUST_MUTEX_HOLDER = """
+import ctypes, sys, time
+libc = ctypes.CDLL(None)
+attr, mutex = ctypes.create_string_buffer(64), ctypes.create_string_buffer(64)
+libc.pthread_mutexattr_init(attr)
+libc.pthread_mutexattr_setrobust(attr, 1)  # PTHREAD_MUTEX_ROBUST, as boost.interprocess makes every mutex
+libc.pthread_mutex_init(mutex, attr)
+print("ready", flush=True)
+seconds = float(sys.stdin.readline())
+libc.pthread_mutex_lock(mutex)
+print("locked", flush=True)
+time.sleep(seconds)
+libc.pthread_mutex_unlock(mutex)
+print("unlocked", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(GET_ROBUST_LIST is None, reason="get_robust_list's syscall number is known for x86_64 and aarch64")
+def test_a_stub_is_killed_only_while_it_holds_no_robust_mutex():
+    """What the watchdog's kill of a replaced stub waits for (health.kill_outside_locks): a process that dies
+    holding a robust mutex in python_backend's shared memory makes 2.51's server abort at its next lock. A process
+    that takes a robust mutex, holds it for a second and lets go stands in for a stub: stopped, it reads as
+    holding nothing, then as holding the lock; the kill comes only after the unlock."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", ROBUST_MUTEX_HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline() == "ready\n"
+
+        def held_while_stopped():
+            os.kill(child.pid, signal.SIGSTOP)
+            try:
+                time.sleep(0.2)
+                return holds_robust_lock(child.pid)
+            finally:
+                os.kill(child.pid, signal.SIGCONT)
+
+        assert held_while_stopped() is False
+        child.stdin.write("1.5\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "locked\n"
+        assert held_while_stopped() is True
+        started = time.monotonic()
+        assert kill_outside_locks(child.pid, attempts=500) is True
+        waited = time.monotonic() - started
+        assert child.wait(timeout=10) == -signal.SIGKILL
+        assert child.stdout.read() == "unlocked\n", "killed while it held the mutex"
+        print(f"killed {waited:.2f} s after the first attempt, once the mutex was released")
+    finally:
+        child.kill()
+        child.wait()
 
 
 @local_server_only

@@ -12,12 +12,15 @@ the server would otherwise keep them (and their /dev/shm pages) mapped until ano
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import io
 import json
 import os
+import platform
 import re
 import signal
+import struct
 import threading
 import time
 import uuid
@@ -107,6 +110,84 @@ def restart(client: grpcclient.InferenceServerClient, model: str, admin_headers:
     config = client.get_model_config(model, as_json=True)["config"]
     config.setdefault("parameters", {})["restart_token"] = {"string_value": uuid.uuid4().hex}
     client.load_model(model, config=json.dumps(config), headers=admin_headers)
+
+
+# get_robust_list(2): the kernel's record of the robust mutexes each thread holds (its syscall number per arch)
+GET_ROBUST_LIST = {"x86_64": 274, "aarch64": 100}.get(platform.machine())
+
+
+def holds_robust_lock(pid: int) -> bool | None:
+    """Whether a thread of the stopped process `pid` holds (or is taking or releasing) a robust pthread mutex;
+    None where that cannot be read (another architecture, no ptrace access). glibc keeps each thread's robust
+    mutexes on a list whose head it registers with the kernel: an empty list points to its own head, and
+    `list_op_pending` is NULL outside a lock or unlock."""
+    if GET_ROBUST_LIST is None:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    head, size = ctypes.c_void_p(), ctypes.c_size_t()
+    try:
+        mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            if libc.syscall(GET_ROBUST_LIST, int(tid), ctypes.byref(head), ctypes.byref(size)) != 0:
+                return None
+            if not head.value:  # this thread never registered a list: it has never taken a robust mutex
+                continue
+            first, _offset, pending = struct.unpack("QqQ", os.pread(mem, 24, head.value))
+            if first != head.value or pending:
+                return True
+    except OSError:
+        return None
+    finally:
+        os.close(mem)
+    return False
+
+
+def _stopped(pid: int, timeout_s: float) -> bool:
+    """Every thread of `pid` is in the stopped state (SIGSTOP has reached them all) within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            states = [
+                Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                for tid in os.listdir(f"/proc/{pid}/task")
+            ]
+        except (OSError, IndexError):
+            return False
+        if all(state in "tT" for state in states):
+            return True
+        time.sleep(0.001)
+    return False
+
+
+def kill_outside_locks(pid: int, attempts: int = 100, pause_s: float = 0.01) -> bool:
+    """SIGKILL a stub at a moment when none of its threads holds a robust mutex.
+
+    Every lock in python_backend's shared memory is a robust mutex: a stub that dies holding one makes the
+    server's next lock of it throw, and Triton 2.51 aborts (docs/benchmarks/lock-exception-r24.10.md). So the stub
+    is stopped (SIGSTOP), its threads' robust-mutex lists are read, and it is killed while still stopped if they
+    are all empty; else it runs on a moment (SIGCONT) and the next attempt looks again. Returns whether such a
+    moment was found; after `attempts`, or where the lists cannot be read, it is killed anyway (False)."""
+    for _ in range(attempts):
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return True
+        held = holds_robust_lock(pid) if _stopped(pid, 0.5) else True
+        if held is None:
+            break
+        if not held:
+            os.kill(pid, signal.SIGKILL)
+            return True
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(pause_s)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 class StubWatchdog(threading.Thread):
@@ -217,7 +298,8 @@ class StubWatchdog(threading.Thread):
 
     def end_replaced(self, at_once: bool = False) -> list[int]:
         """SIGKILL the stubs of replaced versions that are still alive `replaced_grace_s` after their reload (all
-        of them `at_once`). Returns their PIDs."""
+        of them `at_once`), each while it holds no lock in shared memory (`kill_outside_locks`). Returns their
+        PIDs."""
         if not self.replaced:
             return []
         alive = {pid for pid, model in stub_processes(self.server_pid).items() if model is not None}
@@ -226,10 +308,7 @@ class StubWatchdog(threading.Thread):
             if pid not in alive:
                 self.replaced.pop(pid, None)  # its version unloaded (or it died): the server reaps it
             elif at_once or now - since >= self.replaced_grace_s:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                kill_outside_locks(pid)
                 self.reaped.add(pid)
                 self.replaced.pop(pid, None)
                 ended.append(pid)
