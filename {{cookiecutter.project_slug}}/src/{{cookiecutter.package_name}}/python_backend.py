@@ -10,7 +10,6 @@ The zero-copy rules live here, once, and so does the batching of an execute()'s 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
@@ -426,26 +425,14 @@ def _result_or_error(stage, tensor: pb_utils.Tensor) -> Any:
 
 
 def exit_stub() -> None:
-    """Cut this stub's interpreter shutdown short: every model's `finalize()` calls it, last.
+    """End this stub process at once: every model's `finalize()` calls it, last.
 
     Triton 2.51 waits for a stub to exit after its finalize, one instance after another. The interpreter's own
-    shutdown takes about a second per stub on a CPU, and never ended in a GPU stub that had made BLS calls from
-    `async def execute`: the server's stop hung for its whole exit timeout. So the stub leaves with `os._exit`, but
-    not from here: `finalize()` runs while the stub's C++ threads still send what is queued for the server (the
-    cleanup of the last requests, logs). Every lock they take in shared memory is a robust mutex; a process that
-    ends holding one makes the server's next lock of it throw, and 2.51 aborts (docs/benchmarks/
-    lock-exception-r24.10.md). The exit is registered instead for the start of the interpreter's shutdown: the stub
-    has then drained its queues, joined its threads and let go of the model. What it still skips is the slow part
-    (module teardown, the joins of Python threads). Nothing is left to clean up: the server owns the /dev/shm
-    region and the CUDA pool, and the driver releases this process's CUDA context and IPC handles.
+    shutdown then takes about a second per stub on a CPU, and never ends in a GPU stub that made BLS calls from
+    `async def execute` (its BLS executor and event-loop threads hold CUDA state while the interpreter tears down):
+    the server's stop hung for its whole exit timeout. Nothing is left to clean up here: the server owns the
+    /dev/shm region and the CUDA pool, and the driver releases this process's CUDA context and IPC handles.
     """
-
-    def now() -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-    try:  # CPython >= 3.9: runs first in threading._shutdown, before any thread is joined
-        threading._register_atexit(now)
-    except (AttributeError, RuntimeError):
-        atexit.register(now)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

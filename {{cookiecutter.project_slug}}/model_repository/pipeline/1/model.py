@@ -61,4 +61,4 @@ class TritonPythonModel:
         return {name: result[name].as_numpy() for name in OUTPUTS}
 
     def finalize(self):
-        exit_stub()  # a fast exit once the stub is done: python_backend.exit_stub says why
+        exit_stub()  # leave at once: python_backend.exit_stub says why

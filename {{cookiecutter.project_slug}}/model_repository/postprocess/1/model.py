@@ -18,4 +18,4 @@ class TritonPythonModel:
         return split_responses(outputs, [part.shape[0] for part in logits])
 
     def finalize(self):
-        exit_stub()  # a fast exit once the stub is done: python_backend.exit_stub says why
+        exit_stub()  # leave at once: python_backend.exit_stub says why

@@ -33,4 +33,4 @@ class TritonPythonModel:
         ]
 
     def finalize(self):
-        exit_stub()  # a fast exit once the stub is done: python_backend.exit_stub says why
+        exit_stub()  # leave at once: python_backend.exit_stub says why

@@ -41,4 +41,4 @@ class TritonPythonModel:
         return split_responses({"LOGITS": logits}, [p.shape[0] for p in pixels])
 
     def finalize(self):
-        exit_stub()  # a fast exit once the stub is done: python_backend.exit_stub says why
+        exit_stub()  # leave at once: python_backend.exit_stub says why
