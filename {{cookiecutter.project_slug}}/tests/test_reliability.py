@@ -265,25 +265,32 @@ def test_admin_apis_need_the_key(own_server):
 
 @local_server_only
 def test_overload_is_rejected_fast_instead_of_queued_forever(own_server, max_batch):
-    image, gate = make_image(5, size=(640, 480)), threading.Barrier(24)
+    """A burst larger than the pipeline's instances and its queue of 2: the rest is rejected at once. The burst is
+    three times what the pipeline can hold, and on a GPU each request carries 16 images: an H200 at the shipped
+    counts (16 pipeline instances) served 23 of a burst of 24 requests of 4 images as they came (dc19052), and then
+    all 24 (5d413e1)."""
+    holds = configured_counts(own_server)["pipeline"] + 2
+    burst, images = max(24, 3 * holds), min(16 if own_server.settings.gpus else 4, max_batch)
+    image, gate = make_image(5, size=(640, 480)), threading.Barrier(burst)
 
     def send(_):
         gate.wait()
         started = time.monotonic()
         try:
-            infer(own_server.grpc_url, [image_input([image] * min(4, max_batch))])
+            infer(own_server.grpc_url, [image_input([image] * images)])
             return "ok", time.monotonic() - started
         except InferenceServerException as exc:
             return exc.message(), time.monotonic() - started
 
-    with pipeline_queue_policy(own_server, max_queue_size="2"), ThreadPoolExecutor(24) as pool:
-        outcomes = list(pool.map(send, range(24)))
+    with pipeline_queue_policy(own_server, max_queue_size="2"), ThreadPoolExecutor(burst) as pool:
+        outcomes = list(pool.map(send, range(burst)))
     rejected = [t for outcome, t in outcomes if "Exceeds maximum queue size" in outcome]
     served = [t for outcome, t in outcomes if outcome == "ok"]
-    assert len(served) + len(rejected) == 24, outcomes
+    assert len(served) + len(rejected) == burst, outcomes
     assert served and rejected
     print(
-        f"\noverload: {len(served)} served (max {max(served):.2f} s), {len(rejected)} rejected "
+        f"\noverload: burst of {burst} x {images} images, {len(served)} served (max {max(served):.2f} s), "
+        f"{len(rejected)} rejected "
         f"(median {sorted(rejected)[len(rejected) // 2] * 1000:.0f} ms)"
     )
     assert max(rejected) < max(served), "a rejection comes back before the queue would have served it"
