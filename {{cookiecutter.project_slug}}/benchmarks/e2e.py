@@ -209,13 +209,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     jpegs = sample_jpegs(64)
-    rows = []
-    servers = [(p, m, q) for p in args.precision for m in args.mps for q in args.stages]
-    for server, (precision, mps, stages) in enumerate(servers, 1):
-        rows += [dict(row, server=server) for row in measure_server(args, precision, mps, jpegs, stages)]
-        results = e2e_results(args, rows)  # written after each server: a run cut short keeps what it measured
+    rows: list[dict] = []
+
+    def save(row: dict) -> dict:  # written after each point: a run cut short keeps what it measured
+        rows.append(row)
+        results = e2e_results(args, rows)
         sizes = sorted({r["images_per_request"] for r in rows})
         write("e2e", results, rows, COLUMNS, plot_throughput(rows, sizes), args.out)
+        return results
+
+    servers = [(p, m, q) for p in args.precision for m in args.mps for q in args.stages]
+    for server, (precision, mps, stages) in enumerate(servers, 1):
+        measure_server(args, precision, mps, jpegs, stages, lambda row, server=server: save(dict(row, server=server)))
+    results = e2e_results(args, rows)
     if results["ratios"]:
         print("\nBLS / ensemble images/s:\n" + ratio_table(results["ratios"]))
     return results
@@ -267,9 +273,11 @@ COLUMNS = [
 STAGE_SETTINGS = {"bls": "bls", "fused": "in_process"}  # --stages: the pipeline's preprocess and postprocess
 
 
-def measure_server(args, precision: str | None, mps: str, jpegs: list[bytes], stages: str | None) -> list[dict]:
+def measure_server(
+    args, precision: str | None, mps: str, jpegs: list[bytes], stages: str | None, save=None
+) -> list[dict]:
     """One server (this precision, instance counts, MPS setting and pipeline stage parameters): a row for every
-    point of every entry point."""
+    point of every entry point, each handed to `save` as soon as it is measured."""
     from {{ cookiecutter.package_name }}.model_repository import parameters, set_instance_counts, set_parameter
 
     rows = []
@@ -316,6 +324,8 @@ def measure_server(args, precision: str | None, mps: str, jpegs: list[bytes], st
                 }
                 rows.append(row)
                 print_point(label, model, n, c, point)
+                if save is not None:
+                    save(row)
         finally:
             server.stop()
     return rows
