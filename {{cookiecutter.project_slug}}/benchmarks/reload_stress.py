@@ -1,7 +1,7 @@
 """Reload stress: many pipeline reloads under steady load, stubs killed in execute and in finalize, a stop during
 a reload. Counts what must stay at zero: server aborts and lost requests.
 
-    python -m benchmarks.reload_stress [--reloads 300] [--clients 4] [--kill-every 5]
+    python -m benchmarks.reload_stress [--reloads 300] [--clients 4] [--kill-every 5] [--minutes M]
                                        [--instances pipeline=2 preprocess=1 resnet=1 postprocess=1] [--out DIR]
 
 Starts the project's tritonserver (its own flags, as `serve`, but no `serve`: an abort is counted, not healed)
@@ -50,6 +50,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=["pipeline=2", "preprocess=1", "resnet=1", "postprocess=1"],
         metavar="MODEL=COUNT",
         help="instance counts (small: a reload then takes seconds on a CPU)",
+    )
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=0,
+        help="stop reloading this long after the start, server start included (0: never), then stop the server "
+        "during a reload and write the results as usual: a time-limited run (one GPU call) keeps what it did",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -179,7 +186,12 @@ def main(argv=None) -> int:
         version, delay = 1, 100
         load = Load(server.grpc_url, args.clients, sample_jpegs(1)[0], args.request_timeout)
         with load:
+            done = 0
             for i in range(1, args.reloads + 1):
+                if args.minutes and time.monotonic() - started > args.minutes * 60:
+                    print(f"--minutes {args.minutes:g} reached after {done} reloads")
+                    break
+                done = i
                 kind = KINDS[(i - 1) % len(KINDS)]
                 replaced = stubs_of(server, version if kind == "new version" else None)
                 try:
@@ -221,7 +233,7 @@ def main(argv=None) -> int:
         "title": "Reload stress: pipeline reloads under load, stubs killed in execute and finalize",
         "environment": environment(),
         "summary": {
-            "reloads": args.reloads,
+            "reloads": done,
             "failed_reloads": len(failed_reloads),
             "kills": kills,
             "requests": len(outcomes),
@@ -237,7 +249,7 @@ def main(argv=None) -> int:
         "failed_reloads": failed_reloads,
         "aborts": aborts,
         "notes": [
-            f"{args.reloads} reloads taking turns ({', '.join(KINDS)}), {args.clients} clients, a pipeline stub "
+            f"{done} reloads taking turns ({', '.join(KINDS)}), {args.clients} clients, a pipeline stub "
             f"SIGKILLed every {args.kill_every}th reload (alternately in execute and in finalize), instances "
             f"{' '.join(args.instances)}; lost = no answer within {args.request_timeout:g} s; aborts = the server "
             "process ended."
