@@ -157,7 +157,11 @@ def bench_server(repository: Path, log_path: Path, pool_bytes: int | None = None
         server.wait_ready(600)
     except Exception:
         server.stop()
-        print(Path(log_path).read_text()[-5000:])
+        # Why: the server's error lines (E + date), which 2.51 writes long before its last lines (its options table
+        # and its shutdown), then those last lines.
+        lines = Path(log_path).read_text(errors="replace").splitlines()
+        errors = [line for line in lines if re.match(r"E\d{4} ", line)]
+        print("\n".join(["tritonserver's errors:", *errors[-40:], "its last lines:", *lines[-15:]]))
         raise
     return server
 
