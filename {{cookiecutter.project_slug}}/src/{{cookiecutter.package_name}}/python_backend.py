@@ -11,11 +11,13 @@ The zero-copy rules live here, once, and so does the batching of an execute()'s 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,6 +145,9 @@ class Instance:
         return None if self.guard.end() else responses
 
 
+_guards: weakref.WeakSet = weakref.WeakSet()  # this stub's Guards
+
+
 class Guard:
     """Answers the requests of an execute whose BLS call will never return, from a thread of its own.
 
@@ -157,6 +162,7 @@ class Guard:
 
     def __init__(self):
         self.lock = threading.Lock()
+        _guards.add(self)  # exit_stub stops it before the process ends
         self.requests: list | None = None  # the execute in flight
         self.answered = False  # by this guard
         self.call: tuple | None = None  # (model, started, deadline_s) of the BLS call in flight
@@ -424,7 +430,7 @@ def _result_or_error(stage, tensor: pb_utils.Tensor) -> Any:
         return exc
 
 
-def exit_stub() -> None:
+def exit_stub(drain_s: float = 0.05) -> None:
     """End this stub process at once: every model's `finalize()` calls it, last.
 
     Triton 2.51 waits for a stub to exit after its finalize, one instance after another. The interpreter's own
@@ -432,7 +438,18 @@ def exit_stub() -> None:
     `async def execute` (its BLS executor and event-loop threads hold CUDA state while the interpreter tears down):
     the server's stop hung for its whole exit timeout. Nothing is left to clean up here: the server owns the
     /dev/shm region and the CUDA pool, and the driver releases this process's CUDA context and IPC handles.
+
+    It quiesces first, so that no thread of the stub is inside one of its interprocess critical sections when the
+    process ends (a mutex left owner-dead makes the server abort with `lock_exception` when it next takes it;
+    docs/benchmarks/lock-exception-r24.10.md, fix 2): every Guard is stopped between sends (it holds its lock,
+    so no response is half-sent), garbage is collected (the response senders of the last requests queue their
+    cleanup messages now, not during the exit), and the stub's stub-to-parent thread gets `drain_s` to send what
+    is queued (`time.sleep` lets go of the GIL).
     """
+    for guard in list(_guards):
+        guard.lock.acquire(timeout=1.0)  # held until the end: the guard sends nothing more
+    gc.collect()
     sys.stdout.flush()
     sys.stderr.flush()
+    time.sleep(drain_s)
     os._exit(0)

@@ -146,6 +146,10 @@ def server_flags(settings: ServerSettings) -> list[str]:
         "--model-control-mode=explicit",
         "--load-model=*",
         "--strict-readiness=true",
+        # Every config here is complete: without this, 2.51 starts one more stub on every load of a Python model
+        # only to ask it for an auto_complete_config, then ends it (5-11 s a load on a CPU; one stub start and
+        # stop fewer; docs/benchmarks/auto-complete-stub-cpu-13ee275.md).
+        "--disable-auto-complete-config",
         f"--exit-timeout-secs={settings.exit_timeout_s}",
         f"--log-verbose={settings.log_verbose}",
         # Each Python-backend stub talks to the server through a /dev/shm region that starts at this size
