@@ -31,6 +31,11 @@ RUN if [ "$WEIGHTS_IN_IMAGE" = true ] && [ ! -r model_repository/resnet/1/weight
            "'make weights-random' (offline) or 'make weights-pretrained' before building the image" >&2; \
       exit 1; \
     fi
+# `serve` writes the instance counts it sizes for the GPU it finds into <model>/configs/ (sizing.py): those folders
+# are the server user's; the rest of the model repository stays read-only to it.
+USER root
+RUN for model in model_repository/*/; do install -d -o triton-server "${model}configs"; done
+USER triton-server
 
 EXPOSE {{ cookiecutter.http_port }} {{ cookiecutter.grpc_port }} {{ cookiecutter.metrics_port }}
 # The CLI starts the image's /opt/tritonserver/bin/tritonserver with the flags of server.server_flags().

@@ -19,35 +19,126 @@ def serve(args) -> int:
     """Run tritonserver on the model repository until Ctrl-C (or SIGTERM, SIGHUP): check, start, watch, stop."""
     import time
 
-    from . import admin_key
+    from . import admin_key, sizing
     from .server import CONTAINER_TRITONSERVER, ServerSettings, server_flags
-    from .shm import check_dev_shm, print_shm_need
+    from .shm import print_shm_need
 
     container = CONTAINER_TRITONSERVER.is_dir() if args.container is None else args.container
     address = args.address or ("0.0.0.0" if container else "127.0.0.1")
     settings = ServerSettings(
         args.model_repository, args.http_port, args.grpc_port, args.metrics_port, address=address, mps=args.mps
     )
+    try:  # the instance counts this machine carries (sizing.py), before anything starts
+        plans = sizing.plan_for_serve(
+            settings.model_repository, settings.gpus, gpu_memory(args), instances(args), args.mps
+        )
+    except (sizing.NothingFits, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    settings.instance_counts = plans[0].overrides
     if args.print_flags:
         print("\n".join(server_flags(settings)))
         return 0
     if args.print_shm:
-        print_shm_need(settings.model_repository)
+        print_shm_need(settings.model_repository, settings.instance_counts)
         return 0
     key_place = None
     if not container:  # the key same-host clients find (admin_key.py); the container's: TRITON_ADMIN_KEY or new
         settings.admin_key, key_place = admin_key.for_serve(rotate=args.new_admin_key)
-    check_dev_shm(settings.model_repository)
+    for device_plan in plans:
+        print(f"instances: {device_plan.line()}")
+    sizing.record(settings.grpc_port, plans)
     # SIGTERM (docker stop) and SIGHUP (terminal closed) take the Ctrl-C path below. Stopping inside a handler
     # deadlocked: its Popen.wait() cannot reap while the interrupted outer wait() holds Popen's wait lock.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     signal.signal(signal.SIGHUP, signal.default_int_handler)
     started = time.monotonic()
-    server, pump = start_server(args, settings, container, started)
-    return run_until_stopped(args, server, pump, started, key_place)
+    try:
+        try:
+            server, pump = start_server(args, settings, container, started, plans)
+        except OSError as exc:  # the sized configs could not be written
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return run_until_stopped(args, server, pump, started, key_place)
+    finally:
+        sizing.forget(settings.grpc_port)
 
 
-def start_server(args, settings, container: bool, started: float):
+def gpu_memory(args):
+    """--gpu-memory (else $TRITON_GPU_MEMORY): bytes, a fraction of each GPU, or None."""
+    from .sizing import parse_size
+
+    text = args.gpu_memory or os.environ.get("TRITON_GPU_MEMORY")
+    return parse_size(text) if text else None
+
+
+def instances(args) -> dict[str, int]:
+    """--instances MODEL=N ... (else $TRITON_INSTANCES): the counts pinned as given."""
+    from .sizing import parse_instances
+
+    return parse_instances(args.instances or os.environ.get("TRITON_INSTANCES"))
+
+
+def plan(args) -> int:
+    """The instance counts `serve` would start, and what they hold, without starting anything."""
+    from . import sizing
+    from .mps import visible_gpus
+
+    try:
+        cap = gpu_memory(args)
+        if args.gpus is not None:  # a machine described, not this one: GPUs of the name given, each with the budget
+            if cap is None or isinstance(cap, float):
+                raise ValueError("--gpus needs --gpu-memory as a size (16GiB): there is no GPU here to take a part of")
+            devices = [sizing.Device(i, args.gpu_name, cap, cap, hypothetical=True) for i in range(args.gpus)]
+            plans = sizing.plan(args.model_repository, devices, cap, instances(args), mps=args.mps)
+        else:
+            gpus = visible_gpus()
+            if not gpus and cap is not None:  # a budget, and no GPU here: one GPU of that budget
+                if isinstance(cap, float):
+                    raise ValueError("no GPU here: give --gpu-memory as a size (16GiB), not a fraction")
+                devices = [sizing.Device(0, args.gpu_name, cap, cap, hypothetical=True)]
+                plans = sizing.plan(args.model_repository, devices, cap, instances(args), mps=args.mps)
+            else:
+                plans = sizing.plan_for_serve(args.model_repository, gpus, cap, instances(args), args.mps)
+    except (sizing.NothingFits, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"devices": [p.as_json() for p in plans]}, indent=2))
+    else:
+        for device_plan in plans:
+            print(device_plan.line())
+    return 0
+
+
+def reload(args) -> int:
+    """Load a model again from its files: a new version, an edited config.pbtxt or model.py goes live, with the
+    instance count `serve` sized (its sized config is written again first); the old version serves until the new
+    one is ready."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from . import admin_key, sizing
+    from .admin_key import ADMIN_KEY_HEADER
+
+    key, _ = admin_key.find()
+    if not key:
+        return fail(f"reload uses the server's admin APIs: set {admin_key.ENV}, or run it where `serve` keeps the key")
+    port = args.url.rsplit(":", 1)[-1]
+    if port.isdigit():
+        sizing.sync_configs(args.model_repository, f"sized-{port}")
+    try:
+        with grpcclient.InferenceServerClient(args.url) as client:
+            client.load_model(args.model, headers={ADMIN_KEY_HEADER: key})
+            config = client.get_model_config(args.model).config
+    except InferenceServerException as exc:
+        return fail(f"{args.model}: {(exc.message() or str(exc)).strip()}")
+    count = sum(g.count for g in config.instance_group)
+    print(f"reloaded {args.model}" + (f" ({count} instances)" if count else ""))
+    return 0
+
+
+def start_server(args, settings, container: bool, started: float, plans=()):
     """(the started TritonServer, the LogPump showing its progress here or None). In a container the runtime keeps
     the log: all of it on stdout. Otherwise the whole log goes to a file, named first, and a short progress view
     here (--verbose: the log too)."""
@@ -62,7 +153,7 @@ def start_server(args, settings, container: bool, started: float):
     else:
         log_file = args.log_file or _cache_dir() / "tritonserver.log"
         log_file.parent.mkdir(parents=True, exist_ok=True)
-        log_file.write_text(log_header(settings.gpus))
+        log_file.write_text(log_header(settings.gpus) + "".join(f"# instances: {p.line()}\n" for p in plans))
         print(f"tritonserver log: {log_file}{'' if args.verbose else '  (--verbose shows it here)'}")
         server = TritonServer(settings, container=False, log=subprocess.PIPE)
     gpus = f"GPUs {settings.gpus}" if settings.gpus else "no GPU: CPU only"
@@ -84,9 +175,11 @@ def run_until_stopped(args, server, pump, started: float, key_place: str | None)
     import subprocess
     import time
 
+    from . import sizing
     from .console import LogPump
     from .health import StubWatchdog
     from .restarts import RESTART_WINDOW_S, Restarts, why_it_ended
+    from .server import OUT_OF_MEMORY
 
     restarts, watchdog, gave_up = Restarts(server.settings.grpc_port), None, False
     try:
@@ -96,10 +189,19 @@ def run_until_stopped(args, server, pump, started: float, key_place: str | None)
             except (RuntimeError, TimeoutError) as exc:
                 where = f": {pump.path}" if pump else " above"
                 print(f"error: {exc}; the models' errors are in tritonserver's log{where}", file=sys.stderr)
+                log = ""
                 if pump is not None:  # its last lines (a stub's own output ends up there too)
                     time.sleep(0.5)  # what the server wrote last has reached the file
-                    tail = pump.path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+                    log = pump.path.read_text(errors="replace")
+                    tail = log.splitlines()[-LOG_TAIL_LINES:]
                     print("\n".join(["the log's last lines:", *(f"  {line}" for line in tail)]), file=sys.stderr)
+                if getattr(exc, "out_of_memory", False) or OUT_OF_MEMORY.search(log):
+                    print(
+                        "error: memory ran out while the models loaded, beyond what the instance counts were sized for "
+                        "(the 'instances:' line above): give the server less with --gpu-memory, or pin fewer instances "
+                        "with --instances",
+                        file=sys.stderr,
+                    )
                 return 1
             if restarts.times:
                 print(f"serving again {time.time() - restarts.times[-1]:.1f} s after tritonserver ended", flush=True)
@@ -120,7 +222,8 @@ def run_until_stopped(args, server, pump, started: float, key_place: str | None)
                     server.process.wait(timeout=1)
                     break
                 except subprocess.TimeoutExpired:
-                    pass
+                    if server.settings.instance_counts is not None:  # an edited config.pbtxt reaches the next load
+                        sizing.sync_configs(server.settings.model_repository, server.settings.config_name)
             watchdog.stop()
             why = why_it_ended(server.process.returncode)
             if not restarts.allowed():
@@ -173,13 +276,16 @@ def print_ready(server, started: float, key_place: str | None) -> None:
 
 def health(args) -> int:
     """Exit 0 only if the server is ready and the pipeline answers a real request (a dead stub fails it)."""
+    from . import sizing
     from .health import probe
     from .restarts import summary
 
     error = probe(args.url, args.model, timeout_s=args.timeout)
     print(f"unhealthy: {error}" if error else "healthy")
     port = args.url.rsplit(":", 1)[-1]
-    if port.isdigit() and (restarts := summary(int(port))):  # a `serve` of this host serves that port
+    if port.isdigit() and (counts := sizing.summary(int(port))):  # a `serve` of this host serves that port
+        print(counts)
+    if port.isdigit() and (restarts := summary(int(port))):
         print(restarts)
     return 1 if error else 0
 
@@ -401,11 +507,54 @@ def add_serve(commands) -> None:
         action="store_true",
         help="rotate the admin key: write a new one to its file before starting (clients of the old one are refused)",
     )
+    add_sizing(p)
     p.add_argument("--print-flags", action="store_true", help="print the tritonserver flags, one per line, and exit")
     p.add_argument(
         "--print-shm", action="store_true", help="print how much /dev/shm the Python-backend stubs need, and exit"
     )
     p.set_defaults(run=serve)
+
+
+def add_sizing(p) -> None:
+    """The flags `serve` and `plan` share: the budget and the pinned counts."""
+    p.add_argument(
+        "--gpu-memory",
+        metavar="SIZE|FRACTION",
+        help="cap each GPU's budget, for a GPU shared with other work: a size (16GiB) or a fraction of the GPU (0.5); "
+        "default: its free memory ($TRITON_GPU_MEMORY)",
+    )
+    p.add_argument(
+        "--instances",
+        nargs="+",
+        metavar="MODEL=N",
+        help="pin these counts as given (per GPU); the other models are sized to the budget, the configs' counts "
+        "the ceiling ($TRITON_INSTANCES: pipeline=8,preprocess=2)",
+    )
+
+
+def add_plan(commands) -> None:
+    p = commands.add_parser(
+        "plan", help="print the instance counts serve would start for a budget and the memory they take; start nothing"
+    )
+    p.add_argument("--model-repository", type=Path, default=REPOSITORY)
+    add_sizing(p)
+    p.add_argument("--gpus", type=int, help="plan for this many GPUs of --gpu-memory each instead of this machine's")
+    p.add_argument("--gpu-name", default="unknown GPU", help="the GPUs' name, with --gpus or on a host without one")
+    p.add_argument("--mps", action=argparse.BooleanOptionalAction, default=True, help="count MPS's 48 clients")
+    p.add_argument("--json", action="store_true", help="per GPU: budget_bytes, counts, estimated_bytes, ...")
+    p.set_defaults(run=plan)
+
+
+def add_reload(commands) -> None:
+    from .client import DEFAULT_URL
+
+    p = commands.add_parser(
+        "reload", help="load a model again from its files (a new version, config or model.py), counts kept"
+    )
+    p.add_argument("model", nargs="?", default="pipeline")
+    p.add_argument("--url", default=DEFAULT_URL)
+    p.add_argument("--model-repository", type=Path, default=REPOSITORY)
+    p.set_defaults(run=reload)
 
 
 def add_health(commands) -> None:
@@ -463,7 +612,7 @@ def add_weights(commands) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="{{ cookiecutter.project_slug }}", description=__doc__)
     commands = parser.add_subparsers(required=True)
-    for add in (add_serve, add_health, add_classify, add_weights):
+    for add in (add_serve, add_plan, add_health, add_classify, add_reload, add_weights):
         add(commands)
     args = parser.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # progress shows up at once, also in container logs

@@ -12,6 +12,7 @@ import importlib.metadata
 import importlib.util
 import math
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -48,7 +49,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cuda_pool_bytes(repository: Path | str, gpu: int = 0) -> int:
+def cuda_pool_bytes(repository: Path | str, gpu: int = 0, counts: dict[str, int] | None = None) -> int:
     """The CUDA memory pool of GPU `gpu` (`--cuda-memory-pool-byte-size`), sized from the repository's configs, so
     that an edit of max_batch_size, of a tensor or of an instance count after baking resizes it at the next start.
 
@@ -68,9 +69,10 @@ def cuda_pool_bytes(repository: Path | str, gpu: int = 0) -> int:
     the `count` of every instance_group that is not KIND_CPU and lists no `gpus`, or lists this one. The sum is the
     worst case of every instance executing a full batch at once (the stages' instances serving ensembles, whose
     step outputs the server holds, while every pipeline instance waits with its pixels); the quarter on top is for
-    the pool's fragmentation under varied batch sizes. Rounded up to 64 MiB, at least 512 MiB. Not bounded by any
-    instance count: an ensemble's step outputs still waiting in the next step's queue; a sustained ensemble load
-    that outpaces its next step can still fill the pool (requests then slow down; they do not fail).
+    the pool's fragmentation under varied batch sizes. Rounded up to 64 MiB, at least 512 MiB. `counts` ({model:
+    instances per GPU}) stands in for the configs' counts of the models it names (the counts `serve` sized). Not
+    bounded by any instance count: an ensemble's step outputs still waiting in the next step's queue; a sustained
+    ensemble load that outpaces its next step can still fill the pool (requests then slow down; they do not fail).
     """
     from tritonclient.grpc import model_config_pb2
 
@@ -94,7 +96,8 @@ def cuda_pool_bytes(repository: Path | str, gpu: int = 0) -> int:
         if config.platform == "ensemble":
             continue
         held = gpu_bytes(config) + sum(gpu_bytes(configs[c]) for c in BLS_CALLS.get(name, ()) if c in configs)
-        need += instances_on_gpu(config, gpu) * max(1, config.max_batch_size) * held
+        instances = (counts or {}).get(name, instances_on_gpu(config, gpu))
+        need += instances * max(1, config.max_batch_size) * held
     return max(512 * MiB, -(-(need * 5 // 4) // (64 * MiB)) * 64 * MiB)
 
 
@@ -121,6 +124,16 @@ class ServerSettings:
     entry_models: tuple[str, ...] = ENTRY_MODELS
     # CUDA MPS for the server's GPU processes (mps.py): a private daemon per server wherever there is a GPU.
     mps: bool = True
+    # {model: instances per GPU (or in all on the CPU)} to serve instead of the configs' counts: the counts `serve`
+    # sized (sizing.py). start() writes each model's config with its count as <model>/configs/<config_name>.pbtxt,
+    # which Triton then reads instead of config.pbtxt (--model-config-name), and stop() removes them. None: the
+    # configs as they are.
+    instance_counts: dict[str, int] | None = None
+
+    @property
+    def config_name(self) -> str:
+        """The name of this server's sized configs (sizing.write_configs): one per server, by its gRPC port."""
+        return f"sized-{self.grpc_port}"
 
     @classmethod
     def on_free_ports(cls, model_repository: Path, **options) -> ServerSettings:
@@ -145,6 +158,8 @@ def server_flags(settings: ServerSettings) -> list[str]:
         f"--metrics-port={settings.metrics_port}",
         "--model-control-mode=explicit",
         "--load-model=*",
+        # The sized counts (sizing.write_configs): <model>/configs/<name>.pbtxt where there is one, else config.pbtxt.
+        *([f"--model-config-name={settings.config_name}"] if settings.instance_counts is not None else []),
         "--strict-readiness=true",
         # Every config here is complete: without this, 2.51 starts one more stub on every load of a Python model
         # only to ask it for an auto_complete_config, then ends it (5-11 s a load on a CPU; one stub start and
@@ -161,7 +176,7 @@ def server_flags(settings: ServerSettings) -> list[str]:
         f"--http-restricted-api={RESTRICTED_APIS}:admin-key={settings.admin_key}",
     ]
     # Sized from the repository's configs (cuda_pool_bytes): every GPU tensor in flight between processes.
-    pools = {gpu: cuda_pool_bytes(settings.model_repository, gpu) for gpu in settings.gpus}
+    pools = {gpu: cuda_pool_bytes(settings.model_repository, gpu, settings.instance_counts) for gpu in settings.gpus}
     flags += [f"--cuda-memory-pool-byte-size={gpu}:{size}" for gpu, size in pools.items()]
     return flags
 
@@ -259,10 +274,22 @@ def print_model_states(states: dict[str, str]) -> None:
 TEARDOWN_GRACE_S = 3
 
 
+# What a model that ran out of GPU memory while loading says, in its own words (torch, cuBLAS, cuDNN, nvJPEG, CUDA).
+OUT_OF_MEMORY = re.compile(
+    r"out of memory|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|ALLOC_FAILED|cudaErrorMemoryAllocation|"
+    r"CUDA_ERROR_OUT_OF_MEMORY|NVJPEG_STATUS_ALLOCATOR_FAILURE|std::bad_alloc|MemoryError",
+    re.IGNORECASE,
+)
+
+
 class ModelLoadError(RuntimeError):
-    """A model failed to load while the server started: `model` names it."""
+    """A model failed to load while the server started: `model` names it. A failure for want of memory says so
+    first: `out_of_memory`."""
 
     def __init__(self, model: str, reason: str):
+        self.out_of_memory = bool(OUT_OF_MEMORY.search(reason))
+        if self.out_of_memory:
+            reason = f"out of memory while loading ({reason})"
         super().__init__(f"model {model!r}: {reason}")
         self.model = model
 
@@ -308,6 +335,11 @@ class TritonServer:
             self.mps = None
 
     def start(self) -> TritonServer:
+        from . import sizing
+
+        settings = self.settings
+        if settings.instance_counts is not None:
+            sizing.write_configs(settings.model_repository, settings.instance_counts, settings.config_name)
         self.start_mps()
         argv, env = self.command()
         # A session of its own: Ctrl-C in a terminal reaches this process, which drains first (stop()).
@@ -412,11 +444,16 @@ class TritonServer:
         return False
 
     def stop(self) -> int | None:
-        """Stop the server (_stop_server), then its MPS daemon: also when the server had exited on its own."""
+        """Stop the server (_stop_server), then its MPS daemon: also when the server had exited on its own. Its sized
+        configs go too."""
+        from . import sizing
+
         try:
             return self._stop_server()
         finally:
             self.stop_mps()
+            if self.settings.instance_counts is not None:
+                sizing.remove_configs(self.settings.model_repository, self.settings.config_name)
 
     def _stop_server(self) -> int | None:
         """Drain, SIGTERM, and end the teardown of a drained server after TEARDOWN_GRACE_S: exit code 0.

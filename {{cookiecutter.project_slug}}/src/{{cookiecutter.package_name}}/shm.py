@@ -3,8 +3,8 @@
 - The words: `DEV_SHM_ADVICE`, what a request that did not fit in /dev/shm says (from the Python backend, whose
   own words name only Docker's --shm-size, from the pipeline and from the client), and `SHM_GROWTH_FAILED`, how the
   Python backend says it.
-- The sizing: `dev_shm_bytes()`, how far the Python-backend stubs' regions grow (`print_shm_need()`: `serve
-  --print-shm`), and `check_dev_shm()`, the warning `serve` prints when /dev/shm is smaller.
+- The sizing: `dev_shm_bytes()`, how far the Python-backend stubs' regions grow, and `dev_shm_need()`, that and a
+  reload's new regions: what `serve` checks before it starts (sizing.py; `serve --print-shm` prints it).
 - The clients' regions: `SystemRegions` and `CudaRegions`, one client's registered regions, and
   `remove_stale_regions()`, which removes those of clients that died without closing them.
 
@@ -48,7 +48,12 @@ class SharedMemoryFull(InferenceServerException):
 
 
 def dev_shm_bytes(
-    repository: Path, gpus: int | None = None, image_bytes: int = 256 * 1024, label_bytes: int = 64, batches: int = 2
+    repository: Path,
+    gpus: int | None = None,
+    image_bytes: int = 256 * 1024,
+    label_bytes: int = 64,
+    batches: int = 2,
+    counts: dict[str, int] | None = None,
 ) -> dict[str, tuple[int, int]]:
     """How much /dev/shm the Python-backend models of a repository need: {model: (stubs, bytes per stub)}.
 
@@ -57,7 +62,8 @@ def dev_shm_bytes(
     batches (max_batch_size images of `image_bytes` encoded bytes each) of the host-memory tensors it receives and
     sends: every tensor that lives in host memory (a GPU tensor crosses through the CUDA memory pool; only its
     handle is in /dev/shm). A BLS model also holds the inputs and outputs of the models it calls (BLS_CALLS).
-    Instances: `count` per GPU for KIND_GPU/KIND_AUTO on a GPU host, `count` for KIND_CPU.
+    Instances: `count` per GPU for KIND_GPU/KIND_AUTO on a GPU host, `count` for KIND_CPU; `counts` ({model:
+    instances per GPU, or in all on a CPU}) stands in for the configs' counts of the models it names (serve's plan).
     """
     from tritonclient.grpc import model_config_pb2
 
@@ -82,7 +88,7 @@ def dev_shm_bytes(
             continue
         stubs, on_gpu = 0, False
         for group in config.instance_group or [model_config_pb2.ModelInstanceGroup()]:
-            count = group.count or 1
+            count = (counts or {}).get(name, group.count or 1)
             kind = model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind)
             if kind != "KIND_CPU" and gpus:
                 stubs, on_gpu = stubs + count * (len(group.gpus) or gpus), True
@@ -96,25 +102,27 @@ def dev_shm_bytes(
     return need
 
 
-def print_shm_need(repository: Path) -> int:
-    """The /dev/shm the Python-backend stubs of `repository` can grow to (dev_shm_bytes), per model."""
-    need = dev_shm_bytes(repository)
-    for model, (stubs, per_stub) in need.items():
+def dev_shm_need(repository: Path, gpus: int | None = None, counts: dict[str, int] | None = None) -> tuple[int, int]:
+    """(bytes the stubs' regions grow to, bytes more during the largest reload): the rule `serve` checks before it
+    starts (sizing.py) and that compose's shm_size and the Kubernetes /dev/shm limit follow."""
+    from .sizing import reload_headroom
+
+    need = dev_shm_bytes(repository, gpus, counts=counts)
+    running = sum(stubs * per_stub for stubs, per_stub in need.values())
+    gpus = len(visible_gpus()) if gpus is None else gpus
+    per_gpu = {m: stubs // max(1, gpus) for m, (stubs, _) in need.items()}
+    reload = reload_headroom(per_gpu, {m: per_stub for m, (_, per_stub) in need.items()})[0]
+    return running, reload
+
+
+def print_shm_need(repository: Path, counts: dict[str, int] | None = None) -> int:
+    """The /dev/shm the Python-backend stubs of `repository` can grow to (dev_shm_bytes), per model, and a reload."""
+    for model, (stubs, per_stub) in dev_shm_bytes(repository, counts=counts).items():
         print(f"{model:12s} {stubs} stub(s) x {per_stub // MiB} MiB")
-    total = sum(stubs * per_stub for stubs, per_stub in need.values())
-    print(f"total        {total // MiB} MiB  (+ the regions of same-host shared-memory clients)")
-    return total
-
-
-def check_dev_shm(repository: Path) -> None:
-    """Warn when /dev/shm is smaller than what the stubs can grow to at full batches."""
-    need = sum(stubs * per_stub for stubs, per_stub in dev_shm_bytes(repository).values())
-    size = shutil.disk_usage(DEV_SHM).total if DEV_SHM.is_dir() else 0
-    if size < need:
-        print(
-            f"warning: /dev/shm is {size // MiB} MiB; at full batches the Python-backend stubs can use {need // MiB} "
-            "MiB, and a request that does not fit fails (raise shm_size / TRITON_SHM_SIZE; serve --print-shm)"
-        )
+    running, reload = dev_shm_need(repository, counts=counts)
+    print(f"reload       {reload // MiB} MiB more while a reload's new stubs start beside the old")
+    print(f"total        {(running + reload) // MiB} MiB  (+ the regions of same-host shared-memory clients)")
+    return running + reload
 
 
 # ------------------------------------------------------------------ the clients' regions

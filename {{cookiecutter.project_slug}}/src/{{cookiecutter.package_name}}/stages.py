@@ -53,6 +53,32 @@ def inspect_image(data: bytes, max_pixels: int) -> tuple[str, int, int]:
     return fmt, width, height
 
 
+# Decoded pixels a GPU preprocess holds at once (Preprocess): 128 images of 500x375 in one nvJPEG call. An image
+# larger than this (up to max_image_pixels) is decoded alone.
+DECODE_BUDGET_PIXELS = 24_000_000
+
+
+def preprocess_peak_bytes(
+    max_batch_size: int,
+    crop: int,
+    dtype_bytes: int,
+    max_pixels: int,
+    decode_budget_pixels: int = DECODE_BUDGET_PIXELS,
+    resize: int = 256,
+) -> int:
+    """The most GPU memory one batch of `max_batch_size` images can hold in Preprocess.
+
+    One decode chunk (at most the decode budget, or the largest image alone): its RGB images (uint8), the center
+    squares that survive the crop (at most (crop/resize)^2 of each image) stacked as uint8 and as float for the
+    resize, with as much again for the resize's own buffers; then the batch's resized float pixels, their
+    normalized copy and the cast to the output dtype. A quarter more for the caching allocator's rounding. Also
+    what `serve` budgets for a preprocess instance (sizing.py)."""
+    squares = min(1.0, (crop / resize) ** 2)
+    chunk = int(max(decode_budget_pixels, max_pixels) * 3 * (1 + squares * (1 + 4 + 4)))
+    pixels = max_batch_size * 3 * crop**2 * (4 + 4 + 4 + dtype_bytes)
+    return (chunk + pixels) * 5 // 4
+
+
 class Preprocess:
     """Encoded JPEG/PNG bytes -> normalized [B, 3, crop, crop] pixels on `device`, in `dtype`.
 
@@ -71,15 +97,16 @@ class Preprocess:
         resize=256,
         crop=224,
         max_pixels=40_000_000,
-        decode_budget_pixels=64_000_000,
+        decode_budget_pixels=DECODE_BUDGET_PIXELS,
     ):
         self.device = torch.device(device)
         self.on_gpu = self.device.type == "cuda"
         self.dtype = dtype
         self.resize, self.crop = resize, crop
         self.max_pixels = max_pixels
-        # At most this many decoded pixels are held at once (a batch of 128 full-size 40 MP images would be 15 GB).
-        self.decode_budget_pixels = max(decode_budget_pixels, max_pixels)
+        # At most this many decoded pixels are held at once (a batch of 128 full-size 40 MP images would be 15 GB);
+        # an image larger than that is decoded alone.
+        self.decode_budget_pixels = decode_budget_pixels
         mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1)
         std = torch.tensor(IMAGENET_STD, device=self.device).view(1, 3, 1, 1)
         # (x / 255 - mean) / std as one multiply-add
@@ -99,16 +126,11 @@ class Preprocess:
         )
 
     def peak_gpu_bytes(self, max_batch_size: int) -> int:
-        """The most GPU memory one batch of `max_batch_size` images can hold, fixed by the decode budget.
-
-        One decode chunk: its RGB images (uint8, at most the budget), the same-size center squares stacked
-        (uint8) and as float for the resize, the resize's output; then the batch's resized float pixels, their
-        normalized copy and the cast to the output dtype. A quarter more for the caching allocator's rounding.
-        A process that runs only this stage caps its GPU memory there: `cap_gpu_memory`.
-        """
-        chunk = self.decode_budget_pixels * 3 * (1 + 1 + 4 + 4)
-        pixels = max_batch_size * 3 * self.crop**2 * (4 + 4 + 4 + self.dtype.itemsize)
-        return (chunk + pixels) * 5 // 4
+        """The most GPU memory one batch of `max_batch_size` images can hold (`preprocess_peak_bytes`). A process
+        that runs only this stage caps its GPU memory there: `cap_gpu_memory`."""
+        return preprocess_peak_bytes(
+            max_batch_size, self.crop, self.dtype.itemsize, self.max_pixels, self.decode_budget_pixels, self.resize
+        )
 
     def own_gpu_memory(self, max_batch_size: int) -> None:
         """For a process that runs this stage alone (a Triton instance): cap its GPU memory at the stage's peak
@@ -122,7 +144,7 @@ class Preprocess:
         mark (about 1 GiB at the defaults) from the start instead of reaching it under traffic.
         """
         cap_gpu_memory(self.device, self.peak_gpu_bytes(max_batch_size))
-        each = self.decode_budget_pixels // max(1, max_batch_size)
+        each = max(1, self.decode_budget_pixels // max(1, max_batch_size))
         self.batch([[_blank_jpeg(_four_by_three(min(each, self.max_pixels)))] * max_batch_size])
         self.batch([[_blank_jpeg(_four_by_three(self.max_pixels))]])
         torch.cuda.synchronize(self.device)
@@ -388,6 +410,9 @@ class Classifier:
                 logits = self.model(self.static_input[:size]).float()
             self.graphs[size] = (graph, logits)
         self.load_seconds["captured as CUDA graphs"] = time.monotonic() - started
+        # cuDNN's autotuning left the workspaces of every algorithm it tried cached (about 0.7 GiB at resnet50, batch
+        # 128): the graphs keep the memory they replay in (their own pool), so the rest goes back to the driver.
+        torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:

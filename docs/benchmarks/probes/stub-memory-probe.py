@@ -1,0 +1,198 @@
+"""What holds a Python-backend stub's GPU memory: one process per variant, measured by NVML (nvidia-smi), without
+and with a CUDA MPS daemon (the project's mps.start, as `serve` runs it).
+
+    python docs/benchmarks/probes/stub-memory-probe.py OUT.json      # on the GPU machine, the bake installed
+
+Each variant is a child process that sets itself up as a stub of that kind would, then waits; the parent reads its
+used memory from `nvidia-smi --query-compute-apps` once it settles. Variants:
+- driver: cuInit + the primary context, no torch (what any stub that touches a GPU tensor holds at least);
+- torch: torch's CUDA initialized (what the pipeline stub does: torch.cuda.set_device + a tiny tensor);
+- torch-stack-N: the same, then the per-thread stack limit lowered to N bytes (cuCtxSetLimit), which sizes the
+  context's local-memory reservation (threads per SM x SMs x stack);
+- torch-eager: CUDA_MODULE_LOADING=EAGER (every kernel of torch loaded at context creation);
+- postprocess: torch + the top-k stage warmed at batch 1 and 128;
+- resnet / resnet-empty-cache: the Classifier (resnet50 fp16, batch 128, CUDA graphs), then empty_cache();
+- preprocess / preprocess-budget-16M: Preprocess fp16 with own_gpu_memory(128) at the decode budget given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+VARIANTS = [
+    "driver",
+    "torch",
+    "torch-stack-0",
+    "torch-stack-256",
+    "torch-eager",
+    "postprocess",
+    "postprocess-stack-256",
+    "resnet",
+    "resnet-empty-cache",
+    "resnet-empty-cache-stack-256",
+    "preprocess",
+    "preprocess-budget-16M",
+    "preprocess-budget-16M-stack-256",
+]
+
+
+def child(variant: str) -> None:
+    import ctypes
+
+    if variant == "driver":
+        cuda = ctypes.CDLL("libcuda.so.1")
+        ctx, dev = ctypes.c_void_p(), ctypes.c_int()
+        assert cuda.cuInit(0) == 0
+        assert cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
+        assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
+        assert cuda.cuCtxSetCurrent(ctx) == 0
+        ptr = ctypes.c_uint64()
+        assert cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(1 << 20)) == 0
+    else:
+        import torch
+
+        torch.cuda.set_device(0)
+        torch.empty(1, device="cuda")
+        if variant.startswith("postprocess"):
+            from image_classifier.stages import Postprocess
+
+            Postprocess(5).warm(torch.device("cuda", 0), 1000, 128)
+        if variant.startswith("resnet"):
+            from image_classifier.stages import Classifier
+
+            Classifier("resnet50", None, "cuda:0", torch.float16, max_batch_size=128)
+            if "empty-cache" in variant:
+                torch.cuda.empty_cache()
+        if variant.startswith("preprocess"):
+            from image_classifier.stages import Preprocess
+
+            budget = 16_000_000 if "budget-16M" in variant else 64_000_000
+            pre = Preprocess("cuda:0", torch.float16, decode_budget_pixels=budget)
+            pre.own_gpu_memory(128)
+        if "-stack-" in variant:
+            size = int(variant.rsplit("-", 1)[1])
+            cuda = ctypes.CDLL("libcuda.so.1")
+            assert cuda.cuCtxSetLimit(0, ctypes.c_size_t(size)) == 0  # CU_LIMIT_STACK_SIZE
+            torch.cuda.synchronize()
+        torch.cuda.synchronize()
+    print("ready", flush=True)
+    time.sleep(600)
+
+
+def used_mib() -> dict[int, int]:
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    return {int(p): int(m) for p, m in (line.split(",") for line in out.splitlines() if line.strip())}
+
+
+def measure(env: dict, variants: list[str]) -> dict[str, int]:
+    results = {}
+    for variant in variants:  # one at a time: MPS clients and NVML rows stay apart
+        e = dict(env)
+        if variant == "torch-eager":
+            e["CUDA_MODULE_LOADING"] = "EAGER"
+        p = subprocess.Popen([sys.executable, __file__, "--child", variant], env=e, stdout=subprocess.PIPE, text=True)
+        line = p.stdout.readline().strip()
+        time.sleep(1.5)
+        results[variant] = used_mib().get(p.pid, -1) if line == "ready" else -2
+        p.kill()
+        p.wait()
+        print(variant, results[variant], "MiB", flush=True)
+    return results
+
+
+def main() -> None:
+    out = sys.argv[1]
+    from image_classifier import mps
+
+    report = {"gpu": subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True).stdout.strip()}
+    report["no_mps"] = measure(dict(os.environ), VARIANTS[:4])
+    daemon, status = mps.start([0])
+    print("MPS:", status, flush=True)
+    try:
+        env = dict(os.environ)
+        if daemon is not None:
+            env.update(daemon.env)
+        report["mps"] = measure(env, VARIANTS)
+    finally:
+        if daemon is not None:
+            daemon.stop()
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__" and sys.argv[1:2] != ["--server"]:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        child(sys.argv[2])
+    else:
+        main()
+
+
+def server_memory(counts: dict[str, int], seconds: float = 20) -> dict:
+    """The real server (the bake's own flags, MPS) at `counts`: GPU MiB per process by model, after load and after
+    `seconds` of closed-loop load at 16 images x 64 in flight."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from benchmarks._common import bench_repository, bench_server, sample_jpegs
+    from image_classifier.health import stub_processes
+    from image_classifier.model_repository import set_instance_counts
+
+    work = Path(tempfile.mkdtemp())
+    repo = bench_repository(work)
+    set_instance_counts(repo, counts)
+    server = bench_server(repo, work / "log.txt")
+
+    def snapshot() -> dict:
+        used, models = used_mib(), stub_processes(server.process.pid)
+        per: dict[str, list[int]] = {}
+        for pid, model in models.items():
+            per.setdefault(model or "?", []).append(used.get(pid, 0))
+        per["tritonserver"] = [used.get(server.process.pid, 0)]
+        return {m: {"each": sorted(v), "sum": sum(v)} for m, v in per.items()} | {
+            "total": sum(sum(v) for v in per.values())
+        }
+
+    try:
+        loaded = snapshot()
+        images = np.array([[j] for j in sample_jpegs(16)], dtype=object)
+        stop = time.monotonic() + seconds
+        done = [0]
+
+        def loop(_):
+            client = grpcclient.InferenceServerClient(server.grpc_url)
+            inp = grpcclient.InferInput("IMAGE", list(images.shape), "BYTES")
+            inp.set_data_from_numpy(images)
+            while time.monotonic() < stop:
+                client.infer("pipeline", [inp])
+                done[0] += 16
+
+        with ThreadPoolExecutor(64) as pool:
+            list(pool.map(loop, range(64)))
+        loaded_after = snapshot()
+        return {"counts": counts, "after_load": loaded, "after_load_and_traffic": loaded_after,
+                "img_s": round(done[0] / seconds)}
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "--server":
+    os.chdir(sys.argv[3])  # the baked project's root: benchmarks/ imports from there
+    sys.path.insert(0, sys.argv[3])
+    result = {c: server_memory(dict(zip(("pipeline", "preprocess", "resnet", "postprocess"), map(int, c.split("/")))))
+              for c in sys.argv[4:]}
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))

@@ -1,0 +1,531 @@
+"""Instance counts sized to the machine `serve` starts on: the configs' counts are the ceiling, memory decides.
+
+Every Python-backend instance is a process with its own CUDA context, so the counts that serve best on a large GPU
+(the configs') do not start on a 16 GiB one. `serve` (locally, in the container, on Kubernetes) therefore plans the
+counts first (`plan()`), from what it finds:
+
+- the budget, per GPU: its free memory (nvidia-smi), capped by `--gpu-memory SIZE|FRACTION` ($TRITON_GPU_MEMORY),
+  less a margin (`MARGIN`) for what the estimates miss;
+- what each instance costs (`instance_bytes`): a CUDA context, plus what its stage holds (the preprocess stage's
+  capped peak, the ResNet's weights, activations and workspace, ...). The figures were measured per process
+  (NVML, under CUDA MPS, after load and under load) on an H100 at the default settings and scale with the configs
+  (max batch size, precision, variant). A GPU it has never seen is costed as an H100: a context's fixed part grows
+  with the SM count, which a T4, L4 or A10G has fewer of. A model of your own costs a context and
+  `OTHER_STAGE_BYTES`, or what its config's `instance_gpu_memory` parameter says ("1.5GiB");
+- tritonserver itself: its context and the CUDA memory pool, which follows the counts (server.cuda_pool_bytes);
+- headroom for a reload (`reload_headroom`): a reload starts the new stubs before the old ones go, so the largest
+  of the pipeline's hot reload and the watchdog's reload of a model whose stub died (that model and the BLS models
+  calling it; the dead stub's memory is already free) must fit beside what runs;
+- CUDA MPS's 48 clients per GPU (the stubs, tritonserver and that reload's new stubs), and /dev/shm (each stub's
+  region as it grows, shm.dev_shm_bytes, the reload's too).
+
+The counts start at one instance of each model (or the count you pinned: `--instances MODEL=N`, $TRITON_INSTANCES,
+kept as given) and grow one instance at a time, always the model furthest below its ceiling in proportion, while
+everything above still fits. If one instance of each does not fit, `NothingFits` says so before anything loads.
+
+On a host without a GPU the same rule sizes from RAM (MemAvailable, the stubs' resident memory) and cores: a stage
+instance per 4 cores, a pipeline instance per 2 (torch in every stub uses all cores; more stubs than that only cost
+memory and start-up time).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .model_repository import BLS_CALLS, bls_callers, instances_on_gpu, load_configs
+
+MiB, GiB = 1 << 20, 1 << 30
+MARGIN = 0.05  # of the budget, kept free for what the estimates miss (fragmentation, a driver's own allocations)
+MAX_MPS_CLIENTS = 48  # per GPU, NVIDIA's documented limit for Volta and later (mps.MAX_CLIENTS)
+
+# Measured per process on an H100 80GB HBM3 under CUDA MPS (docs/benchmarks/gpu-budgets.md in the template
+# repository), at the defaults: resnet50, fp16, max batch 128, 500x375 JPEGs, after load and under load.
+CONTEXT_BYTES = 270 * MiB  # a stub with torch's CUDA initialized and its stack trimmed (the pipeline's)
+SERVER_BYTES = 520 * MiB  # tritonserver without its CUDA memory pool
+POSTPROCESS_BYTES = 200 * MiB  # the top-k's kernels and buffers, beside the context
+PREPROCESS_BYTES = 1000 * MiB  # beside the context, nvJPEG's buffers included, at ...
+PREPROCESS_PEAK_BYTES = 1_522_000_000  # ... the peak stages.preprocess_peak_bytes() gives for the defaults
+RESNET50_BYTES = 500 * MiB  # beside the context: weights, the CUDA graphs' activations, cuDNN's workspace
+OTHER_STAGE_BYTES = 256 * MiB  # a model this file does not know, beside its context
+# The ResNets' activations relative to resnet50's at the same batch (basic blocks carry 64-512 channels where
+# bottlenecks carry 256-2048), and their parameters.
+RESNET_ACTIVATIONS = {"resnet18": 0.3, "resnet34": 0.3, "resnet50": 1.0, "resnet101": 1.0, "resnet152": 1.0}
+RESNET_PARAMS = {"resnet18": 11.7e6, "resnet34": 21.8e6, "resnet50": 25.6e6, "resnet101": 44.5e6, "resnet152": 60.2e6}
+
+# On a CPU host: resident memory per stub (torch, the stage, a full batch in flight), measured on x86_64.
+CPU_STUB_BYTES = 450 * MiB
+CPU_RESNET_BYTES = 1200 * MiB
+CPU_SERVER_BYTES = 300 * MiB
+
+
+class NothingFits(RuntimeError):
+    """Even one instance of each model (or the pinned counts) does not fit: str() says what is needed and found."""
+
+
+def parse_size(text: str) -> int | float:
+    """`--gpu-memory`: a size ("16GiB", "16G", "16gb", "800MiB", bytes) as int bytes, or a fraction of the GPU's
+    memory in (0, 1] as a float."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*", text.lower())
+    if not match:
+        raise ValueError(f"{text!r} is neither a size (16GiB, 800MiB) nor a fraction of the GPU (0.5)")
+    number, unit = float(match.group(1)), match.group(2)
+    if not unit and not match.group(3) and number <= 1:
+        if number <= 0:
+            raise ValueError(f"{text!r}: a fraction of the GPU must be above 0")
+        return number
+    return int(number * 1024 ** "kmgt".index(unit) * 1024) if unit else int(number)
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+@dataclass
+class Device:
+    """One budget: a GPU (index, name, total and free bytes) or, with index None, the host's RAM and cores."""
+
+    index: int | None
+    name: str
+    total: int
+    free: int
+    cores: int = 0
+    hypothetical: bool = False  # `plan --gpu-memory` where there is no GPU, or --gpus: a budget, not a GPU found
+
+    @property
+    def label(self) -> str:
+        return "CPU" if self.index is None else f"GPU {self.index}"
+
+
+def gpus_found() -> list[Device]:
+    """The GPUs the server will see (CUDA_VISIBLE_DEVICES), with their free memory now, from nvidia-smi; [] when
+    there is none. Numbered as the server numbers them, from 0."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    query = ["nvidia-smi", "--query-gpu=index,uuid,name,memory.total,memory.free", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if out.returncode != 0:
+        return []
+    rows = [[part.strip() for part in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
+    if visible is not None:
+        wanted = [v.strip() for v in visible.split(",") if v.strip()]
+        rows = [next((r for r in rows if len(r) > 1 and (w in r[:2] or r[1].startswith(w))), None) for w in wanted]
+        rows = [r for r in rows if r is not None]
+    try:
+        return [Device(i, r[2], int(float(r[3])) * MiB, int(float(r[4])) * MiB) for i, r in enumerate(rows)]
+    except (IndexError, ValueError):  # not the answer asked for (a stand-in nvidia-smi, a GPU that gives none)
+        return []
+
+
+def host_found() -> Device:
+    """The host's RAM (MemTotal, MemAvailable) and the cores this process may use."""
+    info = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    total = info.get("MemTotal", 0)
+    return Device(None, "CPU", total, info.get("MemAvailable", total), cores)
+
+
+def dev_shm_free() -> int | None:
+    """Free bytes of /dev/shm (None where there is none)."""
+    return shutil.disk_usage("/dev/shm").free if Path("/dev/shm").is_dir() else None
+
+
+# ------------------------------------------------------------------ what one instance costs
+
+
+def _parameter(config, key: str) -> str | None:
+    return config.parameters[key].string_value if key in config.parameters else None
+
+
+def _pixels_bytes(configs) -> int:
+    from .model_repository import bytes_per_element, tensor_datatype
+
+    pre = configs.get("preprocess")
+    pixels = [o for o in pre.output if o.name == "PIXELS"] if pre is not None else []
+    return bytes_per_element(tensor_datatype(pixels[0])) if pixels else 2
+
+
+def instance_bytes(name: str, configs: dict, on_gpu: bool = True) -> int:
+    """What one instance of model `name` holds: GPU bytes (on_gpu), else resident host bytes."""
+    config = configs[name]
+    if (declared := _parameter(config, "instance_gpu_memory" if on_gpu else "instance_host_memory")) is not None:
+        return int(parse_size(declared))
+    batch = max(1, config.max_batch_size)
+    if not on_gpu:
+        return CPU_RESNET_BYTES if name == "resnet" else CPU_STUB_BYTES
+    if name == "pipeline":
+        fused = 0
+        if _parameter(config, "preprocess") == "in_process" and "preprocess" in configs:
+            fused += instance_bytes("preprocess", configs) - CONTEXT_BYTES
+        if _parameter(config, "postprocess") == "in_process":
+            fused += POSTPROCESS_BYTES
+        return CONTEXT_BYTES + fused
+    if name == "postprocess":
+        return CONTEXT_BYTES + POSTPROCESS_BYTES
+    if name == "preprocess":
+        from .stages import preprocess_peak_bytes
+
+        params = {key: value.string_value for key, value in config.parameters.items()}
+        peak = preprocess_peak_bytes(
+            batch, int(params.get("crop", 224)), _pixels_bytes(configs), int(params.get("max_image_pixels", 40_000_000))
+        )
+        return CONTEXT_BYTES + PREPROCESS_BYTES * peak // PREPROCESS_PEAK_BYTES
+    if name == "resnet":
+        variant = _parameter(config, "variant") or "resnet50"
+        dtype = _pixels_bytes(configs)
+        dtype = 4 if dtype == 4 else 2
+        weights = int(RESNET_PARAMS.get(variant, 60.2e6) * dtype)
+        work = RESNET50_BYTES - int(RESNET_PARAMS["resnet50"] * 2)
+        work = int(work * RESNET_ACTIVATIONS.get(variant, 1.0) * batch / 128 * dtype / 2)
+        return CONTEXT_BYTES + weights + work
+    return CONTEXT_BYTES + OTHER_STAGE_BYTES
+
+
+# ------------------------------------------------------------------ the plan
+
+
+def ceilings(configs: dict, gpu: int | None) -> dict[str, int]:
+    """{model: its config's count}: per GPU `gpu`, or in all on the CPU (gpu None); ensembles have none."""
+    from tritonclient.grpc import model_config_pb2
+
+    out = {}
+    for name, config in sorted(configs.items()):
+        if config.platform == "ensemble":
+            continue
+        if gpu is not None:
+            out[name] = instances_on_gpu(config, gpu)
+        else:
+            groups = config.instance_group or [model_config_pb2.ModelInstanceGroup()]
+            out[name] = sum(g.count or 1 for g in groups)
+    order = [m for caller, called in BLS_CALLS.items() for m in (caller, *called)]  # the pipeline's order first
+    ranked = sorted(out, key=lambda m: (order.index(m) if m in order else len(order), m))
+    return {name: out[name] for name in ranked if out[name]}
+
+
+def reload_sets(counts: dict[str, int]) -> list[tuple[list[str], int]]:
+    """(models, new stubs minus the dead one) for each reload the watchdog can make, and the pipeline's hot reload."""
+    sets = []
+    for name in counts:
+        models = [name, *(c for c in bls_callers([name]) if c in counts)]
+        sets.append((models, -1))  # the dead stub's process is gone
+    for caller in BLS_CALLS:
+        if caller in counts:
+            sets.append(([caller], 0))  # a hot reload: every old stub still runs
+    return sets
+
+
+def reload_headroom(counts: dict[str, int], cost: dict[str, int]) -> tuple[int, int, str]:
+    """(bytes, stubs, which reload) of the largest reload beside the running stubs."""
+    best = (0, 0, "none")
+    for models, less in reload_sets(counts):
+        size = sum(counts[m] * cost[m] for m in models) + less * max(cost[m] for m in models)
+        stubs = sum(counts[m] for m in models) + less
+        if size > best[0]:
+            best = (size, stubs, " and ".join(models))
+    return best
+
+
+@dataclass
+class DevicePlan:
+    device: Device
+    budget_bytes: int  # what the counts may use, the margin already taken off
+    counts: dict[str, int]
+    estimated_bytes: int  # what those counts hold once loaded
+    headroom_bytes: int  # kept free for the largest reload
+    cost: dict[str, int] = field(default_factory=dict)  # per instance
+    ceiling: dict[str, int] = field(default_factory=dict)  # the configs' counts
+    limited_by: str = ""
+    cap: str = ""  # how the budget was set: "free", "--gpu-memory 16GiB"
+
+    @property
+    def overrides(self) -> dict[str, int] | None:
+        """The counts that differ from the configs' (None when none does: the configs are served as they are)."""
+        return {m: n for m, n in self.counts.items() if n != self.ceiling.get(m)} or None
+
+    def line(self) -> str:
+        """'GPU 0: 24.0 GiB free -> pipeline 8, preprocess 3, ... (~ 14.0 GiB, ...)', as serve and health say it."""
+        d = self.device
+        what = f"{gib(d.free)} free" if d.index is not None else f"{gib(d.free)} RAM available, {d.cores} cores"
+        if d.hypothetical:
+            what = f"a budget of {gib(d.free)}"
+        elif self.cap:
+            what += f", {self.cap}"
+        counts = ", ".join(f"{m} {n}" for m, n in self.counts.items())
+        return (
+            f"{d.label}: {what} -> {counts} (~{gib(self.estimated_bytes)}, {gib(self.headroom_bytes)} kept for a "
+            f"reload; {self.limited_by})"
+        )
+
+    def as_json(self) -> dict:
+        return {
+            "device": self.device.label,
+            "name": self.device.name,
+            "free_bytes": self.device.free,
+            "budget_bytes": self.budget_bytes,
+            "counts": self.counts,
+            "estimated_bytes": self.estimated_bytes,
+            "headroom_bytes": self.headroom_bytes,
+            "instance_bytes": self.cost,
+            "limited_by": self.limited_by,
+        }
+
+
+def plan(
+    repository: Path | str,
+    devices: list[Device],
+    cap: int | float | None = None,
+    pinned: dict[str, int] | None = None,
+    shm_free: int | None = None,
+    mps: bool = True,
+) -> list[DevicePlan]:
+    """The counts for `repository` on `devices` (GPUs, or one CPU Device): one DevicePlan per device, all with the
+    same counts (a config's count applies to every GPU alike), those of the tightest device. Raises NothingFits."""
+    from .server import cuda_pool_bytes
+    from .shm import dev_shm_need
+
+    configs = load_configs(repository)
+    pinned = dict(pinned or {})
+    on_gpu = devices[0].index is not None
+    ceiling = ceilings(configs, 0 if on_gpu else None)
+    unknown = sorted(set(pinned) - set(ceiling))
+    if unknown:
+        raise ValueError(f"--instances names {', '.join(unknown)}: no such Python model in {repository}")
+    cost = {name: instance_bytes(name, configs, on_gpu) for name in ceiling}
+
+    def budget(device: Device) -> tuple[int, str]:
+        if not on_gpu:
+            return int(device.free * (1 - MARGIN)), ""
+        limit, how = device.free, ""
+        if cap is not None:
+            size = int(cap * device.total) if isinstance(cap, float) else cap
+            how = f"--gpu-memory {gib(size)}"
+            if isinstance(cap, float):
+                how = f"--gpu-memory {cap:g} of {gib(device.total)}"
+            limit = min(limit, size)
+        return int(limit * (1 - MARGIN)), how
+
+    def fixed(counts: dict[str, int]) -> int:
+        if not on_gpu:
+            return CPU_SERVER_BYTES
+        return SERVER_BYTES + cuda_pool_bytes(repository, 0, counts=counts)
+
+    def need(counts: dict[str, int]) -> tuple[int, int]:
+        return fixed(counts) + sum(counts[m] * cost[m] for m in counts), reload_headroom(counts, cost)[0]
+
+    def shm_need(counts: dict[str, int]) -> int:  # every GPU's stubs share the one /dev/shm
+        return sum(dev_shm_need(repository, gpus=len(devices) if on_gpu else 0, counts=counts))
+
+    def clients(counts: dict[str, int]) -> int:
+        return sum(counts.values()) + 1 + reload_headroom(counts, cost)[1]
+
+    budgets = [budget(d) for d in devices]
+    tightest = min(range(len(devices)), key=lambda i: budgets[i][0])
+    limit = budgets[tightest][0]
+
+    def why_not(counts: dict[str, int]) -> str | None:
+        used, headroom = need(counts)
+        if used + headroom > limit:
+            return "memory"
+        if on_gpu and mps and clients(counts) > MAX_MPS_CLIENTS:
+            return "MPS clients"
+        if shm_free is not None and shm_need(counts) > shm_free:
+            return "/dev/shm"
+        return None
+
+    counts = {name: pinned.get(name, 1) for name in ceiling}
+    if (reason := why_not(counts)) is not None:
+        device = devices[tightest]
+        one = "the pinned counts" if pinned else "one instance of each model"
+        if reason == "memory":
+            used, headroom = need(counts)
+            what = "free" if on_gpu else "of RAM available"
+            budget_note = f" (the budget: {budgets[tightest][1]})" if budgets[tightest][1] else ""
+            raise NothingFits(
+                f"{device.label}: needs about {gib(used + headroom)} for {one} ({gib(used)}, and {gib(headroom)} for "
+                f"a reload), {gib(device.free)} {what}{budget_note}. Free some "
+                f"{'GPU ' if on_gpu else ''}memory, or lower max_batch_size or the precision in the configs"
+            )
+        if reason == "/dev/shm":
+            raise NothingFits(
+                f"/dev/shm: needs about {shm_need(counts) // MiB} MiB for {one}, {shm_free // MiB} MiB free: give "
+                "the server more shared memory (`docker run --shm-size`, compose shm_size / TRITON_SHM_SIZE)"
+            )
+        raise NothingFits(f"{device.label}: {one} need {clients(counts)} MPS clients, over {MAX_MPS_CLIENTS}: --no-mps")
+
+    cores = devices[0].cores
+    per_core = {name: ceiling[name] for name in ceiling}
+    if not on_gpu:  # a stage instance per 4 cores, a pipeline (BLS) instance per 2
+        per_core = {n: min(c, max(1, cores // (2 if n in BLS_CALLS else 4))) for n, c in ceiling.items()}
+    growing = [name for name in ceiling if name not in pinned]
+    stopped: dict[str, str] = {}
+    while growing:
+        name = min(growing, key=lambda m: (counts[m] / ceiling[m], list(ceiling).index(m)))
+        if counts[name] >= per_core[name]:
+            stopped[name] = "the configs' counts" if counts[name] >= ceiling[name] else "cores"
+            growing.remove(name)
+            continue
+        trial = {**counts, name: counts[name] + 1}
+        if (reason := why_not(trial)) is not None:
+            stopped[name] = reason
+            growing.remove(name)
+            continue
+        counts = trial
+    words = {"memory": "GPU memory" if on_gpu else "RAM", "MPS clients": "MPS's 48 clients"}
+    reasons = sorted({words.get(r, r) for r in stopped.values() if r != "the configs' counts"})
+    limited_by = "limited by " + ", ".join(reasons) if reasons else "the configs' counts"
+    if pinned:
+        limited_by += "; pinned: " + ", ".join(f"{m}={n}" for m, n in pinned.items())
+    used, headroom = need(counts)
+    return [
+        DevicePlan(d, b, dict(counts), used, headroom, cost, dict(ceiling), limited_by, how)
+        for d, (b, how) in zip(devices, budgets)
+    ]
+
+
+def parse_instances(items: list[str] | str | None) -> dict[str, int]:
+    """`--instances pipeline=8 preprocess=2` or $TRITON_INSTANCES "pipeline=8,preprocess=2" -> {model: count}."""
+    if not items:
+        return {}
+    if isinstance(items, str):
+        items = [part for part in re.split(r"[,\s]+", items) if part]
+    counts = {}
+    for item in items:
+        model, sep, count = item.partition("=")
+        if not sep or not count.strip().isdigit() or int(count) < 1:
+            raise ValueError(f"{item!r}: write MODEL=COUNT, COUNT at least 1 (pipeline=8)")
+        counts[model.strip()] = int(count)
+    return counts
+
+
+def plan_for_serve(repository: Path | str, gpus: list[int], cap, pinned: dict[str, int], mps: bool) -> list[DevicePlan]:
+    """The plan `serve` starts with: the GPUs it will use, or the host when there is none."""
+    found = gpus_found() if gpus else []
+    if gpus and not found:  # GPUs, but nvidia-smi cannot say how much is free: size as for an unseen H100
+        found = [Device(i, "unknown GPU", 80 * GiB, 80 * GiB) for i in gpus]
+    devices = found[: len(gpus)] if gpus else [host_found()]
+    return plan(repository, devices, cap=cap if gpus else None, pinned=pinned, shm_free=dev_shm_free(), mps=mps)
+
+
+# ------------------------------------------------------------------ what `health` reads
+
+
+def record_path(grpc_port: int) -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "{{ cookiecutter.project_slug }}"
+    return cache / f"plan-{grpc_port}.json"
+
+
+def record(grpc_port: int, plans: list[DevicePlan]) -> None:
+    path = record_path(grpc_port)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"serve_pid": os.getpid(), "lines": [p.line() for p in plans]}))
+
+
+def forget(grpc_port: int) -> None:
+    record_path(grpc_port).unlink(missing_ok=True)
+
+
+def summary(grpc_port: int) -> str | None:
+    """The plan of the `serve` still running on this port, as it printed it; None when there is none."""
+    from .mps import alive
+
+    try:
+        data = json.loads(record_path(grpc_port).read_text())
+    except (OSError, ValueError):
+        return None
+    if not alive(int(data.get("serve_pid", 0))):
+        return None
+    return "\n".join(f"instances: {line}" for line in data.get("lines", []))
+
+
+# ------------------------------------------------------------------ the sized configs Triton reads
+
+
+SIZED_HEADER = (
+    "# Written by `{{ cookiecutter.project_slug }} serve` from ../config.pbtxt, with the instance count it sized for "
+    "this machine\n# (sizing.py); Triton reads it instead of config.pbtxt (--model-config-name). Edit config.pbtxt: "
+    "serve writes\n# this again within a second, and removes it when it stops.\n"
+)
+
+
+def sized_path(repository: Path | str, model: str, name: str) -> Path:
+    return Path(repository) / model / "configs" / f"{name}.pbtxt"
+
+
+def render(repository: Path | str, model: str, count: int) -> str:
+    """config.pbtxt of `model` with `count` instances in its instance_group, in protobuf's text format."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from .model_repository import load_config
+
+    config = load_config(Path(repository) / model)
+    if not config.instance_group:
+        config.instance_group.add(kind=model_config_pb2.ModelInstanceGroup.KIND_AUTO)
+    for group in config.instance_group:
+        group.count = count
+    return SIZED_HEADER + text_format.MessageToString(config, use_short_repeated_primitives=True)
+
+
+def write_configs(repository: Path | str, counts: dict[str, int], name: str) -> list[Path]:
+    """`<model>/configs/<name>.pbtxt` for every model of `counts`: config.pbtxt with its sized count. The files the
+    user edits (config.pbtxt and everything committed) stay as they are. A model with several instance groups is
+    left to its config."""
+    from .model_repository import load_config
+
+    written = []
+    for model, count in counts.items():
+        if len(load_config(Path(repository) / model).instance_group) > 1:
+            continue
+        path = sized_path(repository, model, name)
+        try:
+            path.parent.mkdir(exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(render(repository, model, count))
+            tmp.replace(path)
+        except OSError as exc:
+            raise OSError(
+                f"cannot write the sized instance count of {model} to {path} ({exc.strerror or exc}): make "
+                f"{path.parent} writable for this user, or pin {model}'s count as its config has it "
+                "(--instances MODEL=N for every model that differs)"
+            ) from exc
+        written.append(path)
+    return written
+
+
+def remove_configs(repository: Path | str, name: str) -> None:
+    for path in Path(repository).glob(f"*/configs/{name}.pbtxt"):
+        path.unlink(missing_ok=True)
+        try:
+            path.parent.rmdir()  # only when nothing else is in configs/
+        except OSError:
+            pass
+
+
+def sync_configs(repository: Path | str, name: str) -> list[str]:
+    """Write again each sized config whose config.pbtxt changed since (its count kept), so that a load after an edit
+    of config.pbtxt (a hot reload: docs/customizing.md, recipe 4) loads the edit. Returns the models rewritten."""
+    changed = []
+    for path in Path(repository).glob(f"*/configs/{name}.pbtxt"):
+        model_dir = path.parent.parent
+        try:
+            if (model_dir / "config.pbtxt").stat().st_mtime_ns <= path.stat().st_mtime_ns:
+                continue
+            count = int(re.search(r"\bcount: (\d+)", path.read_text()).group(1))
+            write_configs(Path(repository), {model_dir.name: count}, name)
+        except (OSError, AttributeError, ValueError):  # removed meanwhile, or a config that does not parse yet
+            continue
+        changed.append(model_dir.name)
+    return changed
