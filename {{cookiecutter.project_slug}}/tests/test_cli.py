@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import local_server_only, make_image
+from conftest import PROJECT, local_server_only, make_image
 
 from {{ cookiecutter.package_name }} import admin_key, restarts
 from {{ cookiecutter.package_name }}.client import ImageClassifier
@@ -236,7 +236,8 @@ def test_serve_shows_progress_keeps_the_log_in_a_file_and_says_when_it_stopped(m
             lines.append(line.rstrip("\n"))
             if line.startswith("admin key: "):
                 break
-        assert lines[0] == f"tritonserver log: {log}  (--verbose shows it here)", lines
+        assert lines[0].startswith("instances: ") and " -> pipeline " in lines[0], lines  # the sized counts
+        assert lines[1] == f"tritonserver log: {log}  (--verbose shows it here)", lines
         assert any(line.startswith("ready in ") and f"gRPC localhost:{ports[1]}" in line for line in lines), lines
         for model in ("preprocess", "resnet", "postprocess", "pipeline"):
             assert f"  loading  {model}" in lines and any(line.startswith(f"  loaded   {model} ") for line in lines)
@@ -257,6 +258,79 @@ def test_serve_shows_progress_keeps_the_log_in_a_file_and_says_when_it_stopped(m
     if not visible_gpus():
         assert "CUDA driver version is insufficient" in logged, "the CPU host's CUDA lines are kept in the file"
     assert len(lines) < 30, "a short view: " + "\n".join(lines)
+
+
+def tritonserver_of(serve_pid: int) -> int:
+    """The tritonserver child of a `serve` process."""
+    from {{ cookiecutter.package_name }} import mps
+
+    (server,) = [p.pid for p in mps.processes() if p.ppid == serve_pid and p.comm == "tritonserver"]
+    return server
+
+
+@local_server_only
+def test_serve_sizes_the_counts_to_this_machine_and_leaves_the_users_files_alone(env, tmp_path):
+    """The project's repository as shipped (its counts the ceiling), served by `serve` with no flag: the first line
+    says the counts chosen for this machine and why, the server runs exactly those stubs, `health` says the same,
+    an edit of config.pbtxt goes live with `reload` at the sized count, and after Ctrl-C nothing in the repository
+    differs from what the user wrote (config.pbtxt never rewritten; the sized configs gone)."""
+    from {{ cookiecutter.package_name }}.model_repository import num_classes, resnet_weights
+    from {{ cookiecutter.package_name }}.weights import write_random
+
+    repo = tmp_path / "model_repository"
+    shutil.copytree(PROJECT / "model_repository", repo, ignore=shutil.ignore_patterns("*.pt", "__pycache__", "configs"))
+    variant, weights = resnet_weights(repo)
+    write_random(variant, weights, seed=0, num_classes=num_classes(repo))
+
+    def files() -> dict[str, bytes]:
+        return {
+            p.relative_to(repo).as_posix(): p.read_bytes()
+            for p in repo.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts
+        }
+
+    shipped = files()
+    ports = [str(free_port()) for _ in range(3)]
+    url = f"localhost:{ports[1]}"
+    argv = [*CLI, "serve", "--model-repository", str(repo), "--log-file", str(tmp_path / "triton.log")]
+    argv += ["--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]]
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        while (line := process.stdout.readline()) and not line.startswith("admin key: "):
+            lines.append(line.rstrip("\n"))
+        assert any(line.startswith("ready in ") for line in lines), lines
+        planned = re.match(r"instances: (CPU|GPU 0): .* -> (.*) \(~\d+\.\d GiB, ", lines[0])
+        assert planned, lines[0]
+        counts = {m: int(n) for m, n in (part.rsplit(" ", 1) for part in planned.group(2).split(", "))}
+        assert set(counts) == {"pipeline", "preprocess", "resnet", "postprocess"}
+        running = [m for m in stub_processes(tritonserver_of(process.pid)).values() if m is not None]
+        assert {m: running.count(m) for m in counts} == counts, "the server runs the stubs the plan chose"
+        if not visible_gpus() and (os.cpu_count() or 1) <= 3:
+            assert counts == dict.fromkeys(counts, 1), "a small CPU host: one instance each"
+        health = subprocess.run([*CLI, "health", "--url", url], env=env, capture_output=True, text=True, timeout=120)
+        assert health.returncode == 0 and lines[0] in health.stdout, health.stdout
+        config = repo / "pipeline" / "config.pbtxt"
+        config.write_text(config.read_text().replace('"30000000"', '"20000000"'))  # bls_timeout_us, a hot change
+        done = subprocess.run(
+            [*CLI, "reload", "pipeline", "--url", url, "--model-repository", str(repo)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0 and done.stdout == f"reloaded pipeline ({counts['pipeline']} instances)\n", done
+        with ImageClassifier(url) as client:
+            live = client.config("pipeline")
+        assert live.parameters["bls_timeout_us"].string_value == "20000000"
+        assert sum(g.count for g in live.instance_group) == counts["pipeline"]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        rest, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, lines + rest.splitlines()
+    edited = {**shipped, "pipeline/config.pbtxt": config.read_bytes()}
+    assert files() == edited, "the repository holds what the user wrote, and nothing else"
+    assert b'"20000000"' in config.read_bytes()
 
 
 @local_server_only

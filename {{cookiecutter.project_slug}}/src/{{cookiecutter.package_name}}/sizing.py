@@ -44,14 +44,14 @@ MiB, GiB = 1 << 20, 1 << 30
 MARGIN = 0.05  # of the budget, kept free for what the estimates miss (fragmentation, a driver's own allocations)
 MAX_MPS_CLIENTS = 48  # per GPU, NVIDIA's documented limit for Volta and later (mps.MAX_CLIENTS)
 
-# Measured per process on an H100 80GB HBM3 under CUDA MPS (docs/benchmarks/gpu-budgets.md in the template
-# repository), at the defaults: resnet50, fp16, max batch 128, 500x375 JPEGs, after load and under load.
-CONTEXT_BYTES = 270 * MiB  # a stub with torch's CUDA initialized and its stack trimmed (the pipeline's)
-SERVER_BYTES = 520 * MiB  # tritonserver without its CUDA memory pool
-POSTPROCESS_BYTES = 200 * MiB  # the top-k's kernels and buffers, beside the context
-PREPROCESS_BYTES = 1000 * MiB  # beside the context, nvJPEG's buffers included, at ...
-PREPROCESS_PEAK_BYTES = 1_522_000_000  # ... the peak stages.preprocess_peak_bytes() gives for the defaults
-RESNET50_BYTES = 500 * MiB  # beside the context: weights, the CUDA graphs' activations, cuDNN's workspace
+# Measured per process on an H100 80GB HBM3 under CUDA MPS, after load and under load, at the defaults (resnet50,
+# fp16, max batch 128, 500x375 JPEGs): docs/benchmarks/gpu-budgets.json in the template repository.
+CONTEXT_BYTES = 348 * MiB  # a stub with torch's CUDA initialized and its stack trimmed: the pipeline's
+SERVER_BYTES = 530 * MiB  # tritonserver without its CUDA memory pool
+POSTPROCESS_BYTES = 16 * MiB  # the top-k's kernels and buffers, beside the context
+PREPROCESS_BYTES = 970 * MiB  # beside the context, nvJPEG's buffers included, at ...
+PREPROCESS_PEAK_BYTES = 1_520_776_470  # ... the peak stages.preprocess_peak_bytes() gives for the defaults
+RESNET50_BYTES = 990 * MiB  # beside the context: weights, the CUDA graphs' activations, cuDNN's workspace
 OTHER_STAGE_BYTES = 256 * MiB  # a model this file does not know, beside its context
 # The ResNets' activations relative to resnet50's at the same batch (basic blocks carry 64-512 channels where
 # bottlenecks carry 256-2048), and their parameters.
