@@ -722,6 +722,22 @@ def test_k8s_shm_covers_the_python_backend_regions_and_fits_the_memory_limit(pro
     assert quantity(requests["cpu"]) >= 1
 
 
+def test_compose_and_k8s_shm_are_the_rule_serve_checks(project, k8s):
+    """Compose's default shm_size and the pod's /dev/shm limit are what `serve` asks of /dev/shm before it starts
+    (shm.dev_shm_need at the configs' counts on one GPU: the stubs' regions at full batches and a reload's new
+    ones), rounded up to a GiB: rendered from the same rule, so that a change of either fails here."""
+    path, _ = project
+    package = json.loads((path / ".cookiecutter.json").read_text())["cookiecutter"]["package_name"]
+    code = f"from {package}.shm import dev_shm_need; print(sum(dev_shm_need('model_repository', gpus=1)))"
+    env = dict(os.environ, PYTHONPATH=str(path / "src"))
+    done = subprocess.run([sys.executable, "-c", code], cwd=path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rule = -(-int(done.stdout) // 2**30) * 2**30
+    assert size_bytes(compose(path, env={"TRITON_SHM_SIZE": ""})["services"]["triton"]["shm_size"]) == rule
+    (dshm,) = [v for v in pod_spec(k8s["base"], path)["volumes"] if v["name"] == "dshm"]
+    assert quantity(dshm["emptyDir"]["sizeLimit"]) == rule
+
+
 def test_k8s_pod_runs_as_the_image_user_without_privileges(project, k8s):
     path, _ = project
     runtime = " ".join(dockerfile_stages(path)["runtime"])

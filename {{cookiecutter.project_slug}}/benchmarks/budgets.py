@@ -8,8 +8,8 @@ For each budget (GiB; `full`: the whole GPU, the baseline) another process takes
 - a closed loop at saturation (16 images x 128 requests in flight) for --seconds gives the best images/s and the
   failed requests; the GPU's memory is sampled during this loop and the next (the peak, less what was in use
   before `serve` started);
-- the same loop again with a hot reload of the pipeline in its middle (`{{ cookiecutter.project_slug }} reload`):
-  the requests that failed are the ones the reload lost;
+- the same loop again with a hot reload of the pipeline in its middle (a new version, loaded with
+  `{{ cookiecutter.project_slug }} reload`): the requests that failed are the ones the reload lost;
 - one image at a time (1 x 1) gives the p50 latency;
 - the log is searched for out-of-memory lines, and each process's GPU memory is read by model.
 Writes gpu-budgets.json (a row per budget) and gpu-budgets.md, after each budget.
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -92,7 +93,10 @@ def per_model_mib(server_pid: int) -> dict[str, list[int]]:
 
 
 def reload_pipeline(project: Path, url: str) -> float:
-    """`<slug> reload pipeline` (the sized count kept): seconds it took."""
+    """A new version of the pipeline beside the running one, loaded with `<slug> reload pipeline` (the sized count
+    kept), as docs/customizing.md's recipe 4 does: seconds it took. (A load of an unchanged model is no reload.)"""
+    version = project / "model_repository" / "pipeline" / "2"
+    shutil.copytree(version.with_name("1"), version, ignore=shutil.ignore_patterns("__pycache__"))
     started = time.monotonic()
     run = subprocess.run(
         [sys.executable, "-m", "{{ cookiecutter.package_name }}.cli", "reload", "pipeline", "--url", url],
@@ -202,6 +206,7 @@ def one_budget(budget: str, args, project: Path, work: Path) -> dict:
         if hog is not None:
             hog.kill()
             hog.wait()
+        shutil.rmtree(project / "model_repository" / "pipeline" / "2", ignore_errors=True)
         text = log.read_text(errors="replace") if log.is_file() else ""
         row["oom_lines"] = sum(1 for line in text.splitlines() if OUT_OF_MEMORY.search(line))
     return row

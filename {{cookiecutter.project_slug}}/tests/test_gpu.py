@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -44,7 +45,7 @@ from {{ cookiecutter.package_name }}.model_repository import (
     resnet_weights,
     top_k,
 )
-from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
+from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer, free_port
 from {{ cookiecutter.package_name }}.stages import InvalidImage, Preprocess, Reference
 
 pytestmark = [
@@ -522,6 +523,73 @@ def arrivals_from_other_gpus(probed) -> dict[str, int]:
         if r["event"] == "tensor" and r["hop"].startswith("server->") and not r["is_cpu"]:
             counts[r["instance"]] += r["device"] != r["instance_device"]
     return counts
+
+
+HOLD = """
+import sys, time, torch
+free = int(sys.argv[1])
+held = []
+while torch.cuda.mem_get_info()[0] > free + (64 << 20):
+    held.append(torch.empty(min(1 << 30, torch.cuda.mem_get_info()[0] - free), dtype=torch.uint8, device="cuda"))
+print("holding", flush=True)
+time.sleep(1e6)
+"""
+
+
+def gpu_used_mib() -> int:
+    query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"]
+    out = subprocess.run(query, capture_output=True, text=True, check=True).stdout
+    return int(float(out.split()[0]))
+
+
+def test_serve_starts_on_a_gpu_of_which_another_process_holds_all_but_16_gib(model_repository, tmp_path):
+    """As on a 16 GB card or a shared GPU: another process holds the rest of the GPU's memory, and `serve` with no
+    flag sizes its counts to the 16 GiB it finds, comes up ready, answers the pipeline and the ensemble like the
+    in-process reference, and stays within the 16 GiB while it serves."""
+    budget_gib = 16
+    if torch.cuda.mem_get_info()[0] < (budget_gib + 4) << 30:
+        pytest.skip(f"needs {budget_gib + 4} GiB free on the GPU")
+    repo = tmp_path / "model_repository"
+    shutil.copytree(PROJECT / "model_repository", repo, ignore=shutil.ignore_patterns("*.pt", "__pycache__", "configs"))
+    shutil.copy(resnet_weights(model_repository)[1], resnet_weights(repo)[1])
+    shutil.copy(model_repository / "resnet" / "labels.txt", repo / "resnet" / "labels.txt")
+    hold = subprocess.Popen([sys.executable, "-c", HOLD, str(budget_gib << 30)], stdout=subprocess.PIPE, text=True)
+    serve = None
+    try:
+        assert hold.stdout.readline().strip() == "holding"
+        before = gpu_used_mib()
+        ports = [str(free_port()) for _ in range(3)]
+        argv = [sys.executable, "-m", "{{ cookiecutter.package_name }}.cli", "serve", "--model-repository", str(repo)]
+        argv += ["--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]]
+        argv += ["--log-file", str(tmp_path / "triton.log")]
+        serve = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines = []
+        while (line := serve.stdout.readline()) and not line.startswith(("ready in", "error")):
+            lines.append(line.rstrip())
+        assert line.startswith("ready in"), "\n".join([*lines, line])
+        assert lines[0].startswith(f"instances: GPU 0: {budget_gib}.") and "limited by GPU memory" in lines[0], lines
+        threading.Thread(target=serve.stdout.read, daemon=True).start()
+        images = [make_image(300 + i, size=(500, 375)) for i in range(16)]
+        url = f"localhost:{ports[1]}"
+        entries = [m for m in ("pipeline", "ensemble") if (repo / m).is_dir()]
+        answers = [infer(url, [image_input(images)], m).as_numpy("CLASS_IDS")[:, 0] for m in entries]
+        for other in answers[1:]:
+            np.testing.assert_array_equal(answers[0], other)
+
+        def served(_) -> bool:
+            return infer(url, [image_input(images)]).as_numpy("SCORES").shape[0] == 16
+
+        with ThreadPoolExecutor(32) as pool:
+            assert all(pool.map(served, range(400)))
+        used = gpu_used_mib() - before
+        print(f"{lines[0]}; in use while serving: {used} MiB")
+        assert used <= budget_gib * 1024, f"{used} MiB used, over the {budget_gib} GiB left to serve"
+    finally:
+        if serve is not None:
+            serve.send_signal(signal.SIGTERM)
+            serve.wait(120)
+        hold.kill()
+        hold.wait()
 
 
 @multi_gpu

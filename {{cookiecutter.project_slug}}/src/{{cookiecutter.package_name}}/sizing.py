@@ -231,7 +231,7 @@ def reload_headroom(counts: dict[str, int], cost: dict[str, int]) -> tuple[int, 
     """(bytes, stubs, which reload) of the largest reload beside the running stubs."""
     best = (0, 0, "none")
     for models, less in reload_sets(counts):
-        size = sum(counts[m] * cost[m] for m in models) + less * max(cost[m] for m in models)
+        size = sum(counts[m] * cost[m] for m in models) + less * cost[models[0]]
         stubs = sum(counts[m] for m in models) + less
         if size > best[0]:
             best = (size, stubs, " and ".join(models))
