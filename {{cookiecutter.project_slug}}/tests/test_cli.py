@@ -333,6 +333,41 @@ def test_serve_sizes_the_counts_to_this_machine_and_leaves_the_users_files_alone
     assert b'"20000000"' in config.read_bytes()
 
 
+def test_serve_on_a_port_another_program_holds_fails_at_once_naming_the_port_and_the_program(env, tmp_path):
+    """Another program listens on the gRPC port: `serve` says so within seconds, naming the port and the program,
+    before it plans, writes or starts anything."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        argv = [*CLI, "serve", "--grpc-port", str(port), "--http-port", str(free_port())]
+        argv += ["--metrics-port", str(free_port()), "--model-repository", str(PROJECT / "model_repository")]
+        started = time.monotonic()
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and time.monotonic() - started < 10, done.stdout + done.stderr
+    assert done.stderr.startswith(f"error: port {port} (gRPC) is in use by pid {os.getpid()}: "), done.stderr
+    assert "--grpc-port" in done.stderr and done.stdout == ""
+    assert not list((PROJECT / "model_repository").glob(f"*/configs/sized-{port}.pbtxt"))
+
+
+def test_a_config_that_does_not_parse_is_named_with_its_line_before_anything_starts(env, tmp_path):
+    repo = tmp_path / "model_repository"
+    shutil.copytree(PROJECT / "model_repository", repo, ignore=shutil.ignore_patterns("*.pt", "__pycache__", "configs"))
+    config = repo / "resnet" / "config.pbtxt"
+    lines = config.read_text().splitlines()
+    broken = next(i for i, line in enumerate(lines) if line.startswith("max_batch_size:"))
+    lines[broken] += " oops"
+    config.write_text("\n".join(lines) + "\n")
+    ports = [str(free_port()) for _ in range(3)]
+    argv = [*CLI, "serve", "--model-repository", str(repo), "--http-port", ports[0], "--grpc-port", ports[1]]
+    done = subprocess.run([*argv, "--metrics-port", ports[2]], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith(f"error: {config}:{broken + 1}:"), done.stderr
+    assert len(done.stderr.splitlines()) == 1
+
+
 @local_server_only
 @pytest.mark.parametrize(
     "failure, says",

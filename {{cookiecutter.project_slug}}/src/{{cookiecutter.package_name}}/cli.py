@@ -20,7 +20,7 @@ def serve(args) -> int:
     import time
 
     from . import admin_key, sizing
-    from .server import CONTAINER_TRITONSERVER, ServerSettings, server_flags
+    from .server import CONTAINER_TRITONSERVER, ServerSettings, server_flags, taken_ports
     from .shm import print_shm_need
 
     container = CONTAINER_TRITONSERVER.is_dir() if args.container is None else args.container
@@ -28,6 +28,12 @@ def serve(args) -> int:
     settings = ServerSettings(
         args.model_repository, args.http_port, args.grpc_port, args.metrics_port, address=address, mps=args.mps
     )
+    if not (args.print_flags or args.print_shm) and (taken := taken_ports(settings)):
+        print(
+            f"error: {'; '.join(taken)}: stop it, or choose other ports (--grpc-port, --http-port, --metrics-port)",
+            file=sys.stderr,
+        )
+        return 1
     try:  # the instance counts this machine carries (sizing.py), before anything starts
         plans = sizing.plan_for_serve(
             settings.model_repository, settings.gpus, gpu_memory(args), instances(args), args.mps

@@ -97,13 +97,23 @@ def tensor_datatype(tensor) -> str:
     return model_config_pb2.DataType.Name(tensor.data_type).removeprefix("TYPE_")
 
 
+class ConfigError(ValueError):
+    """A config.pbtxt that does not parse as Triton's ModelConfig: str() is `<file>:<line>:<column>: <why>`."""
+
+
 def load_config(model_dir: Path | str) -> model_config_pb2.ModelConfig:
-    """Parse `<model_dir>/config.pbtxt` as Triton's ModelConfig protobuf (raises on any unknown field)."""
+    """Parse `<model_dir>/config.pbtxt` as Triton's ModelConfig protobuf; ConfigError, naming the file and the line,
+    on a syntax error or an unknown field."""
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    text = (Path(model_dir) / "config.pbtxt").read_text()
-    return text_format.Parse(text, model_config_pb2.ModelConfig())
+    path = Path(model_dir) / "config.pbtxt"
+    try:
+        return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+    except text_format.ParseError as exc:
+        where = f"{exc.GetLine()}:{exc.GetColumn()}" if exc.GetLine() is not None else ""
+        why = str(exc).split(" : ", 1)[-1] if " : " in str(exc) else str(exc)
+        raise ConfigError(f"{path}:{where}: {why}" if where else f"{path}: {why}") from None
 
 
 def save_config(model_dir: Path | str, config: model_config_pb2.ModelConfig) -> bool:

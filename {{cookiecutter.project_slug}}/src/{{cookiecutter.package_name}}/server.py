@@ -49,6 +49,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_holder(port: int) -> str | None:
+    """Which process listens on TCP `port` of this host ("pid 123: tritonserver --model-repository=..."), where
+    /proc says (None where it cannot: another user's process, another network namespace)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                inodes.add(fields[9])
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            for fd in fd_dir.iterdir():
+                if os.readlink(fd).removeprefix("socket:[").removesuffix("]") in inodes:
+                    argv = (fd_dir.parent / "cmdline").read_bytes().split(b"\0")
+                    command = " ".join(" ".join(a.decode(errors="replace").split()) for a in argv if a)[:120]
+                    return f"pid {fd_dir.parent.name}: {command}"
+        except OSError:
+            continue
+    return None
+
+
+def taken_ports(settings: ServerSettings) -> list[str]:
+    """The server's ports that another program already listens on, each named with its holder where known: `serve`
+    fails on them before anything starts, rather than once every model has loaded."""
+    taken = []
+    for kind, port in (("HTTP", settings.http_port), ("gRPC", settings.grpc_port), ("metrics", settings.metrics_port)):
+        with socket.socket() as s:
+            try:
+                s.bind((settings.address, port))
+                continue
+            except OSError:
+                pass
+        holder = port_holder(port)
+        taken.append(f"port {port} ({kind}) is in use" + (f" by {holder}" if holder else ""))
+    return taken
+
+
 def cuda_pool_bytes(repository: Path | str, gpu: int = 0, counts: dict[str, int] | None = None) -> int:
     """The CUDA memory pool of GPU `gpu` (`--cuda-memory-pool-byte-size`), sized from the repository's configs, so
     that an edit of max_batch_size, of a tensor or of an instance count after baking resizes it at the next start.
