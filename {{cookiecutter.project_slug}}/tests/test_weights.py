@@ -92,14 +92,28 @@ def test_import_a_10_class_resnet18_writes_weights_labels_and_configs(repository
     assert header.startswith("# "), "the rewritten config keeps its header comment"
 
 
-def test_default_labels_are_numbered_and_random_restores_imagenet(repository, resnet18_10, tmp_path):
+def test_random_keeps_the_imported_classes_labels_and_configs_and_imagenet_brings_them_back(
+    repository, resnet18_10, tmp_path
+):
+    """`weights random` (what `make serve` runs on a fresh clone without weights.pt) writes weights for the classes
+    you imported and leaves labels.txt and every config byte for byte as they were; `--imagenet` goes back."""
+    torch.save(resnet18_10, tmp_path / "mine.pt")
+    (tmp_path / "labels.txt").write_text("".join(f"kind {i}\n" for i in range(10)))
+    import_weights(repository, tmp_path / "mine.pt", tmp_path / "labels.txt", variant="resnet18", top_k=3)
+    files = {p: p.read_bytes() for p in repository.rglob("*") if p.is_file() and p.suffix in (".txt", ".pbtxt")}
+    cli = [sys.executable, "-m", "{{ cookiecutter.package_name }}.cli", "weights", "random", "--model-repository"]
+    subprocess.run([*cli, str(repository)], check=True, capture_output=True, timeout=300)
+    assert {p: p.read_bytes() for p in files} == files
+    assert torch.load(resnet_weights(repository)[1], weights_only=True)["fc.weight"].shape == (10, 512)
+    subprocess.run([*cli, str(repository), "--imagenet"], check=True, capture_output=True, timeout=300)
+    assert assert_consistent(repository, 1000, 3) == imagenet_labels()
+    assert torch.load(resnet_weights(repository)[1], weights_only=True)["fc.weight"].shape == (1000, 512)
+
+
+def test_default_labels_are_numbered(repository, resnet18_10, tmp_path):
     torch.save(resnet18_10, tmp_path / "mine.pt")
     import_weights(repository, tmp_path / "mine.pt", variant="resnet18")
     assert assert_consistent(repository, 10, top_k(repository)) == [f"class_{i}" for i in range(10)]
-    cli = [sys.executable, "-m", "{{ cookiecutter.package_name }}.cli", "weights", "random", "--model-repository"]
-    subprocess.run([*cli, str(repository)], check=True, capture_output=True, timeout=300)
-    assert assert_consistent(repository, 1000, top_k(repository)) == imagenet_labels()
-    assert torch.load(resnet_weights(repository)[1], weights_only=True)["fc.weight"].shape == (1000, 512)
 
 
 def test_a_model_with_other_classes_than_the_config_fails_to_load_with_the_fix(tmp_path, resnet18_10):

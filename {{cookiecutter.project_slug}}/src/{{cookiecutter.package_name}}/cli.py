@@ -446,6 +446,8 @@ def decode_on_gpu(client, images: list[bytes]):
 
 
 def weights(args) -> int:
+    import contextlib
+
     from . import weights as w
 
     variant = getattr(args, "variant", None)
@@ -453,11 +455,22 @@ def weights(args) -> int:
         if args.source == "import":
             done = w.import_weights(args.model_repository, args.path, args.labels, variant, args.top_k, args.version)
         else:
-            from .model_repository import resnet_weights
+            from .model_repository import labels_path, num_classes, resnet_weights
+            from .stages import read_labels
 
-            variant = resnet_weights(args.model_repository)[0]
-            state = w.pretrained_state(variant) if args.source == "pretrained" else w.random_state(variant, args.seed)
-            done = w.install(args.model_repository, state, variant)
+            variant, labels = resnet_weights(args.model_repository)[0], None
+            if args.source == "pretrained":  # ImageNet's weights: its 1000 classes and labels
+                state = w.pretrained_state(variant)
+            elif args.imagenet:
+                state = w.random_state(variant, args.seed)
+            else:  # the classes and labels the repository has (yours, after `weights import`), kept as they are
+                classes = num_classes(args.model_repository)
+                state = w.random_state(variant, args.seed, classes)
+                with contextlib.suppress(OSError, ValueError):
+                    labels = read_labels(labels_path(args.model_repository))
+                if labels is not None and len(labels) != classes:
+                    labels = None
+            done = w.install(args.model_repository, state, variant, labels)
     except w.WeightsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -598,8 +611,11 @@ def add_weights(commands) -> None:
     p = commands.add_parser("weights", help="write the ResNet weights, labels.txt and the configs that depend on them")
     sources = p.add_subparsers(dest="source", required=True)
     s = sources.add_parser("pretrained", help="torchvision's ImageNet weights (downloads them: needs internet)")
-    s = sources.add_parser("random", help="deterministic random ImageNet-shaped weights, offline")
+    s = sources.add_parser(
+        "random", help="deterministic random weights for the configured classes and labels (yours once imported)"
+    )
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--imagenet", action="store_true", help="ImageNet's 1000 classes and labels instead (config too)")
     s = sources.add_parser("import", help="your own torchvision ResNet state dict or training checkpoint")
     s.add_argument("path", type=Path, help="a .pt/.pth file: a state dict, or a checkpoint holding one")
     s.add_argument("--labels", type=Path, help="class names, one per line (default: class_0, ... or ImageNet's)")
