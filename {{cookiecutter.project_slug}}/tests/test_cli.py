@@ -352,6 +352,41 @@ def test_serve_on_a_port_another_program_holds_fails_at_once_naming_the_port_and
     assert not list((PROJECT / "model_repository").glob(f"*/configs/sized-{port}.pbtxt"))
 
 
+@local_server_only
+def test_a_second_serve_on_a_running_servers_ports_fails_at_once_and_the_first_keeps_answering(server, env, images):
+    """`serve` owns one server: started on the ports of one that runs, it fails within seconds, naming the port and
+    the program, and the running server answers before, during and after, and still serves its models."""
+    first = classify(server, env, images["cat.jpg"])
+    assert first.returncode == 0, first.stderr
+    settings = server.settings
+    argv = [*CLI, "serve", "--model-repository", str(settings.model_repository), "--grpc-port", str(settings.grpc_port)]
+    argv += ["--http-port", str(settings.http_port), "--metrics-port", str(settings.metrics_port)]
+    started = time.monotonic()
+    second = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    during = classify(server, env, images["cat.jpg"])
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 1 and time.monotonic() - started < 15, out + err
+    assert f"error: port {settings.http_port} (HTTP) is in use by pid {server.process.pid}: " in err, err
+    after = classify(server, env, images["cat.jpg"])
+    assert during.stdout == after.stdout == first.stdout and after.returncode == 0
+    assert not list(settings.model_repository.glob(f"*/configs/sized-{settings.grpc_port}.pbtxt"))
+
+
+def test_missing_weights_are_said_once_before_anything_loads(env, tmp_path):
+    repo = tmp_path / "model_repository"
+    shutil.copytree(PROJECT / "model_repository", repo, ignore=shutil.ignore_patterns("*.pt", "__pycache__", "configs"))
+    ports = [str(free_port()) for _ in range(3)]
+    argv = [*CLI, "serve", "--model-repository", str(repo), "--http-port", ports[0], "--grpc-port", ports[1]]
+    started = time.monotonic()
+    done = subprocess.run([*argv, "--metrics-port", ports[2]], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and time.monotonic() - started < 10, done.stderr
+    assert done.stderr == (
+        f"error: missing weights {repo / 'resnet' / '1' / 'weights.pt'}: run "
+        "`{{ cookiecutter.project_slug }} weights random` (offline), "
+        "`weights pretrained` (downloads torchvision's) or `weights import YOUR.pt`\n"
+    )
+
+
 def test_a_config_that_does_not_parse_is_named_with_its_line_before_anything_starts(env, tmp_path):
     repo = tmp_path / "model_repository"
     shutil.copytree(PROJECT / "model_repository", repo, ignore=shutil.ignore_patterns("*.pt", "__pycache__", "configs"))

@@ -34,6 +34,14 @@ def serve(args) -> int:
             file=sys.stderr,
         )
         return 1
+    if not (args.print_flags or args.print_shm) and (missing := missing_weights(settings.model_repository)):
+        print(
+            f"error: missing weights {', '.join(map(str, missing))}: run "
+            "`{{ cookiecutter.project_slug }} weights random` (offline), "
+            "`weights pretrained` (downloads torchvision's) or `weights import YOUR.pt`",
+            file=sys.stderr,
+        )
+        return 1
     try:  # the instance counts this machine carries (sizing.py), before anything starts
         plans = sizing.plan_for_serve(
             settings.model_repository, settings.gpus, gpu_memory(args), instances(args), args.mps
@@ -68,6 +76,21 @@ def serve(args) -> int:
         return run_until_stopped(args, server, pump, started, key_place)
     finally:
         sizing.forget(settings.grpc_port)
+
+
+def missing_weights(repository: Path) -> list[Path]:
+    """The resnet versions whose weights file is not there: said once, before loading, instead of by every instance
+    of every version after the other models have loaded."""
+    from .model_repository import ConfigError, resnet_weights
+
+    if not (repository / "resnet" / "config.pbtxt").is_file():
+        return []
+    try:
+        _, weights = resnet_weights(repository)
+    except (ConfigError, KeyError):  # the plan names a config that does not parse
+        return []
+    versions = [p for p in weights.parent.parent.iterdir() if p.name.isdigit() and (p / "model.py").is_file()]
+    return sorted(v / weights.name for v in versions if not (v / weights.name).is_file())
 
 
 def gpu_memory(args):
