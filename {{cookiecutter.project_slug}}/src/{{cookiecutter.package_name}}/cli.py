@@ -173,7 +173,6 @@ def start_server(args, settings, container: bool, started: float, plans=()):
     here (--verbose: the log too)."""
     import subprocess
 
-    from . import mps
     from .console import LogPump, log_header
     from .server import TritonServer, _cache_dir
 
@@ -188,9 +187,7 @@ def start_server(args, settings, container: bool, started: float, plans=()):
     gpus = f"GPUs {settings.gpus}" if settings.gpus else "no GPU: CPU only"
     print(f"starting tritonserver on {settings.model_repository} ({gpus})")
     server.start()
-    print(f"CUDA MPS: {server.mps_status}")
-    if server.mps is not None and (warning := mps.clients_warning(settings.model_repository, settings.gpus)):
-        print(warning)
+    print(f"CUDA MPS: {server.mps_status}")  # its 48 clients a GPU: the sized counts keep within them (sizing.py)
     if container:
         return server, None
     pump = LogPump(server.process.stdout, log_file, settings.gpus, args.verbose, started)
