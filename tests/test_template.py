@@ -30,6 +30,7 @@ Makefile
 README.md
 benchmarks/__init__.py
 benchmarks/_common.py
+benchmarks/budgets.py
 benchmarks/e2e.py
 benchmarks/hop.py
 benchmarks/hop_models/hop_driver/1/model.py
@@ -89,6 +90,7 @@ src/image_classifier/python_backend.py
 src/image_classifier/restarts.py
 src/image_classifier/server.py
 src/image_classifier/shm.py
+src/image_classifier/sizing.py
 src/image_classifier/stages.py
 src/image_classifier/stub_deaths.py
 src/image_classifier/weights.py
@@ -100,6 +102,7 @@ tests/test_gpu.py
 tests/test_mps.py
 tests/test_reliability.py
 tests/test_shared_memory.py
+tests/test_sizing.py
 tests/test_stages.py
 tests/test_weights.py
 """.split()
