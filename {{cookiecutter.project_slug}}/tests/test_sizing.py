@@ -13,7 +13,7 @@ import pytest
 from conftest import PROJECT
 
 from {{ cookiecutter.package_name }} import sizing
-from {{ cookiecutter.package_name }}.model_repository import load_configs, set_instance_counts
+from {{ cookiecutter.package_name }}.model_repository import load_config, load_configs, save_config, set_instance_counts
 from {{ cookiecutter.package_name }}.shm import dev_shm_need
 
 GiB, MiB = sizing.GiB, sizing.MiB
@@ -124,9 +124,9 @@ def test_a_cpu_host_sizes_from_its_cores_and_ram(repository, cores, expected):
 
 
 def test_a_model_of_your_own_costs_what_its_config_says(repository):
-    config = repository / "postprocess" / "config.pbtxt"
-    declared = '\n  { key: "instance_gpu_memory", value: { string_value: "5GiB" } },'
-    config.write_text(config.read_text().replace("parameters [", "parameters [" + declared, 1))
+    config = load_config(repository / "postprocess")
+    config.parameters["instance_gpu_memory"].string_value = "5GiB"
+    save_config(repository / "postprocess", config)
     assert sizing.instance_bytes("postprocess", load_configs(repository)) == 5 * GiB
 
 

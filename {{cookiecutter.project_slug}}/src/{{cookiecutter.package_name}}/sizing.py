@@ -19,9 +19,10 @@ counts first (`plan()`), from what it finds:
 - CUDA MPS's 48 clients per GPU (the stubs, tritonserver and that reload's new stubs), and /dev/shm (each stub's
   region as it grows, shm.dev_shm_bytes, the reload's too).
 
-The counts start at one instance of each model (or the count you pinned: `--instances MODEL=N`, $TRITON_INSTANCES,
-kept as given) and grow one instance at a time, always the model furthest below its ceiling in proportion, while
-everything above still fits. If one instance of each does not fit, `NothingFits` says so before anything loads.
+The counts are the configs' scaled by one factor, rounded, at least one of each (a count you pinned with
+`--instances MODEL=N` or $TRITON_INSTANCES is kept as given): the largest factor at which everything above fits.
+So the configs' proportions stay, and more memory never means fewer instances of any model. If one instance of each
+does not fit, `NothingFits` says so before anything loads.
 
 On a host without a GPU the same rule sizes from RAM (MemAvailable, the stubs' resident memory) and cores: a stage
 instance per 4 cores, a pipeline instance per 2 (torch in every stub uses all cores; more stubs than that only cost
@@ -31,6 +32,7 @@ memory and start-up time).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -369,22 +371,28 @@ def plan(
     per_core = {name: ceiling[name] for name in ceiling}
     if not on_gpu:  # a stage instance per 4 cores, a pipeline (BLS) instance per 2
         per_core = {n: min(c, max(1, cores // (2 if n in BLS_CALLS else 4))) for n, c in ceiling.items()}
-    growing = [name for name in ceiling if name not in pinned]
-    stopped: dict[str, str] = {}
-    while growing:
-        name = min(growing, key=lambda m: (counts[m] / ceiling[m], list(ceiling).index(m)))
-        if counts[name] >= per_core[name]:
-            stopped[name] = "the configs' counts" if counts[name] >= ceiling[name] else "cores"
-            growing.remove(name)
+
+    # One factor scales every count that is not pinned (rounded, at least 1, at most its cap): the largest factor
+    # whose counts fit. More memory never means fewer instances of any model, and the configs' proportions stay.
+    def scaled(factor: float) -> dict[str, int]:
+        return {m: pinned.get(m, max(1, min(per_core[m], math.floor(ceiling[m] * factor + 0.5)))) for m in ceiling}
+
+    steps = sorted({(k - 0.5) / ceiling[m] for m in ceiling if m not in pinned for k in range(2, ceiling[m] + 1)})
+    stopped: set[str] = set()
+    for factor in [*steps, 1.0]:
+        trial = scaled(factor)
+        if trial == counts:
             continue
-        trial = {**counts, name: counts[name] + 1}
         if (reason := why_not(trial)) is not None:
-            stopped[name] = reason
-            growing.remove(name)
-            continue
+            stopped.add(reason)
+            break
         counts = trial
+    if any(counts[m] < min(per_core[m], ceiling[m]) for m in ceiling if m not in pinned) and not stopped:
+        stopped.add("cores")
+    if not on_gpu and any(per_core[m] < ceiling[m] for m in ceiling if m not in pinned):
+        stopped.add("cores")
     words = {"memory": "GPU memory" if on_gpu else "RAM", "MPS clients": "MPS's 48 clients"}
-    reasons = sorted({words.get(r, r) for r in stopped.values() if r != "the configs' counts"})
+    reasons = sorted(words.get(r, r) for r in stopped)
     limited_by = "limited by " + ", ".join(reasons) if reasons else "the configs' counts"
     if pinned:
         limited_by += "; pinned: " + ", ".join(f"{m}={n}" for m, n in pinned.items())
