@@ -380,6 +380,7 @@ def run_baked_tests(project: Path, *pytest_args: str) -> subprocess.CompletedPro
     subprocess.run(pip, check=True, timeout=300)
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["RECIPES_MUST_APPLY"] = "1"  # the project as generated: docs/customizing.md's diffs must apply to it
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *pytest_args],
         cwd=project,
@@ -395,6 +396,28 @@ def run_baked_tests(project: Path, *pytest_args: str) -> subprocess.CompletedPro
 def passed(result: subprocess.CompletedProcess) -> bool:
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     return result.returncode == 0 and " passed" in summary and "failed" not in summary and "error" not in summary
+
+
+def test_a_users_own_model_py_skips_the_guides_recipe_tests_instead_of_failing_them(tmp_path):
+    """The recipe tests apply docs/customizing.md's diffs to the generated files. Once the user has changed
+    pipeline/1/model.py, they skip with one line in the user's project, and still fail in the template's own run
+    (RECIPES_MUST_APPLY), where the guide must follow the file."""
+    project = bake(tmp_path)
+    model_py = project / "model_repository" / "pipeline" / "1" / "model.py"
+    old = "        logits = pixels.then(self.resnet)"  # a line recipe 2's diff edits around
+    assert old in model_py.read_text()
+    model_py.write_text(model_py.read_text().replace(old, "        logits = pixels.then(self.resnet)  # mine"))
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(project)]
+    subprocess.run(pip, check=True, timeout=300)
+    argv = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_customizing.py"]
+    argv += ["-k", "lint_free"]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "RECIPES_MUST_APPLY")}
+    yours = subprocess.run(argv, cwd=project, env=env, capture_output=True, text=True, timeout=600)
+    assert yours.returncode == 0 and " skipped" in yours.stdout, yours.stdout + yours.stderr
+    assert "model.py is yours now: the guide's recipes apply to it as generated" in yours.stdout
+    env["RECIPES_MUST_APPLY"] = "1"
+    template = subprocess.run(argv, cwd=project, env=env, capture_output=True, text=True, timeout=600)
+    assert template.returncode == 1 and "update docs/customizing.md along with the file" in template.stdout
 
 
 @pytest.mark.parametrize("answers", SUITE_COMBINATIONS.values(), ids=SUITE_COMBINATIONS.keys())
