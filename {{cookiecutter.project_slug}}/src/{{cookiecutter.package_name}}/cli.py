@@ -179,7 +179,7 @@ def start_server(args, settings, container: bool, started: float, plans=()):
     if container:
         server = TritonServer(settings, container=True)
     else:
-        log_file = args.log_file or _cache_dir() / "tritonserver.log"
+        log_file = args.log_file or _cache_dir() / f"tritonserver-{settings.grpc_port}.log"  # one per server
         log_file.parent.mkdir(parents=True, exist_ok=True)
         log_file.write_text(log_header(settings.gpus) + "".join(f"# instances: {p.line()}\n" for p in plans))
         print(f"tritonserver log: {log_file}{'' if args.verbose else '  (--verbose shows it here)'}")
@@ -539,7 +539,7 @@ def add_serve(commands) -> None:
     p.add_argument(
         "--log-file",
         type=Path,
-        help="where tritonserver's log goes (default: ~/.cache/{{ cookiecutter.project_slug }}/tritonserver.log)",
+        help="where tritonserver's log goes (default: ~/.cache/{{ cookiecutter.project_slug }}/tritonserver-<gRPC port>.log)",
     )
     p.add_argument(
         "--new-admin-key",
