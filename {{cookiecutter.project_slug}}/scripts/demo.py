@@ -10,6 +10,7 @@ from PIL import Image
 
 from {{ cookiecutter.package_name }}.client import ImageClassifier
 from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer, print_model_states
+from {{ cookiecutter.package_name }}.sizing import plan_for_serve
 
 
 def sample_images() -> dict[str, bytes]:
@@ -28,7 +29,11 @@ def sample_images() -> dict[str, bytes]:
 
 def main() -> int:
     settings = ServerSettings()
+    # The counts this machine carries, as `serve` sizes them (sizing.py): one instance each on a small CPU host.
+    (plan, *_) = plan_for_serve(settings.model_repository, settings.gpus, None, {}, settings.mps)
+    settings.instance_counts = plan.overrides
     with tempfile.TemporaryFile("w+") as log, TritonServer(settings, log=log) as server:
+        print(f"instances: {plan.line()}")
         print(f"starting tritonserver on {settings.model_repository} ...")
         try:
             server.wait_ready(600, progress=print_model_states)
