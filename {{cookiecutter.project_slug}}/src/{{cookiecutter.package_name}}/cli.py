@@ -28,13 +28,14 @@ def serve(args) -> int:
     settings = ServerSettings(
         args.model_repository, args.http_port, args.grpc_port, args.metrics_port, address=address, mps=args.mps
     )
-    if not (args.print_flags or args.print_shm) and (taken := taken_ports(settings)):
+    starting = not (args.print_flags or args.print_shm)
+    if starting and (taken := taken_ports(settings)):
         print(
             f"error: {'; '.join(taken)}: stop it, or choose other ports (--grpc-port, --http-port, --metrics-port)",
             file=sys.stderr,
         )
         return 1
-    if not (args.print_flags or args.print_shm) and (missing := missing_weights(settings.model_repository)):
+    if starting and (missing := missing_weights(settings.model_repository)):
         print(
             f"error: missing weights {', '.join(map(str, missing))}: run "
             "`{{ cookiecutter.project_slug }} weights random` (offline), "
@@ -114,21 +115,15 @@ def plan(args) -> int:
     from .mps import visible_gpus
 
     try:
-        cap = gpu_memory(args)
-        if args.gpus is not None:  # a machine described, not this one: GPUs of the name given, each with the budget
-            if cap is None or isinstance(cap, float):
-                raise ValueError("--gpus needs --gpu-memory as a size (16GiB): there is no GPU here to take a part of")
-            devices = [sizing.Device(i, args.gpu_name, cap, cap, hypothetical=True) for i in range(args.gpus)]
+        cap, gpus = gpu_memory(args), visible_gpus()
+        if args.gpus is not None or (not gpus and cap is not None):  # GPUs described (--gpus, or one), not found
+            if not isinstance(cap, int):
+                raise ValueError("give --gpu-memory as a size (16GiB): there is no GPU here to take a fraction of")
+            count = 1 if args.gpus is None else args.gpus
+            devices = [sizing.Device(i, args.gpu_name, cap, cap, hypothetical=True) for i in range(count)]
             plans = sizing.plan(args.model_repository, devices, cap, instances(args), mps=args.mps)
         else:
-            gpus = visible_gpus()
-            if not gpus and cap is not None:  # a budget, and no GPU here: one GPU of that budget
-                if isinstance(cap, float):
-                    raise ValueError("no GPU here: give --gpu-memory as a size (16GiB), not a fraction")
-                devices = [sizing.Device(0, args.gpu_name, cap, cap, hypothetical=True)]
-                plans = sizing.plan(args.model_repository, devices, cap, instances(args), mps=args.mps)
-            else:
-                plans = sizing.plan_for_serve(args.model_repository, gpus, cap, instances(args), args.mps)
+            plans = sizing.plan_for_serve(args.model_repository, gpus, cap, instances(args), args.mps)
     except (sizing.NothingFits, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -155,7 +150,7 @@ def reload(args) -> int:
         return fail(f"reload uses the server's admin APIs: set {admin_key.ENV}, or run it where `serve` keeps the key")
     port = args.url.rsplit(":", 1)[-1]
     if port.isdigit():
-        sizing.sync_configs(args.model_repository, f"sized-{port}")
+        sizing.sync_configs(args.model_repository, sizing.config_name(int(port)))
     try:
         with grpcclient.InferenceServerClient(args.url) as client:
             client.load_model(args.model, headers={ADMIN_KEY_HEADER: key})

@@ -347,16 +347,15 @@ def start(gpus: list[int], enabled: bool = True) -> tuple[MpsDaemon | None, str]
 
 def clients_needed(repository: Path | str, gpu: int = 0) -> tuple[int, str]:
     """The most MPS clients the repository's server takes on GPU `gpu`, and when: its stubs there, tritonserver,
-    and the largest watchdog reload (a model and the BLS models calling it start new stubs before the old ones go;
-    the dead stub is gone)."""
-    from .model_repository import bls_callers, instances_on_gpu, load_configs
+    and the largest reload's new stubs (sizing.reload_headroom, the rule `serve` sizes the counts by)."""
+    from .model_repository import instances_on_gpu, load_configs
+    from .sizing import reload_headroom
 
     counts = {name: instances_on_gpu(config, gpu) for name, config in load_configs(repository).items()}
     counts = {name: n for name, n in counts.items() if n}
-    reloads = [[name, *(c for c in bls_callers([name]) if c in counts)] for name in counts]
-    models = max(reloads, key=lambda models: sum(counts[m] for m in models))
-    stubs, reload = sum(counts.values()), sum(counts[m] for m in models)
-    return stubs + 1 + reload - 1, f"{stubs} stubs and tritonserver, then a reload of {' and '.join(models)} ({reload})"
+    _, reload, models = reload_headroom(counts, dict.fromkeys(counts, 1))
+    stubs = sum(counts.values())
+    return stubs + 1 + reload, f"{stubs} stubs and tritonserver, then a reload of {models} ({reload} new stubs)"
 
 
 def clients_warning(repository: Path | str, gpus: list[int]) -> str | None:

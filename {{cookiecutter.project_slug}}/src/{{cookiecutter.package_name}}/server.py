@@ -174,7 +174,9 @@ class ServerSettings:
     @property
     def config_name(self) -> str:
         """The name of this server's sized configs (sizing.write_configs): one per server, by its gRPC port."""
-        return f"sized-{self.grpc_port}"
+        from .sizing import config_name
+
+        return config_name(self.grpc_port)
 
     @classmethod
     def on_free_ports(cls, model_repository: Path, **options) -> ServerSettings:

@@ -41,10 +41,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .model_repository import BLS_CALLS, bls_callers, instances_on_gpu, load_configs
+from .mps import MAX_CLIENTS
 
 MiB, GiB = 1 << 20, 1 << 30
 MARGIN = 0.05  # of the budget, kept free for what the estimates miss (fragmentation, a driver's own allocations)
-MAX_MPS_CLIENTS = 48  # per GPU, NVIDIA's documented limit for Volta and later (mps.MAX_CLIENTS)
+MAX_MPS_CLIENTS = MAX_CLIENTS  # per GPU, NVIDIA's documented limit for Volta and later
 
 # Measured per process on an H100 80GB HBM3 under CUDA MPS, after load and under load, at the defaults (resnet50,
 # fp16, max batch 128, 500x375 JPEGs): docs/benchmarks/gpu-budgets.json in the template repository.
@@ -431,8 +432,14 @@ def plan_for_serve(repository: Path | str, gpus: list[int], cap, pinned: dict[st
 
 
 def record_path(grpc_port: int) -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "{{ cookiecutter.project_slug }}"
-    return cache / f"plan-{grpc_port}.json"
+    from .server import _cache_dir
+
+    return _cache_dir() / f"plan-{grpc_port}.json"
+
+
+def config_name(grpc_port: int) -> str:
+    """The name of the sized configs of the server on this gRPC port (write_configs): one per server."""
+    return f"sized-{grpc_port}"
 
 
 def record(grpc_port: int, plans: list[DevicePlan]) -> None:
