@@ -13,7 +13,7 @@
 #   "sh COMMAND"      a shell command in the baked project, e.g. a sed on model_repository/*/config.pbtxt
 #                     between two e2e steps (an instance-count sweep in one call)
 #   "probe FILE"      serve FILE (a probe pipeline model.py, relative to the template root, e.g.
-#                     docs/benchmarks/bls-execute-probe/inprocess_preprocess_model.py) as the pipeline in the steps after it;
+#                     docs/benchmarks/probes/bls-execute-probe/inprocess_preprocess_model.py) as the pipeline in the steps after it;
 #                     the shipped model.py stays beside it as shipped_model.py (phases_model.py wraps it)
 # A step may start with a time limit in seconds ("240 pytest tests/test_gpu.py").
 # Everything goes to OUT/results.tgz (one folder per step, written after each step) and OUT/log.txt.

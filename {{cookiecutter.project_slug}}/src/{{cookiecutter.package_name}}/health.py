@@ -166,7 +166,7 @@ def kill_outside_locks(pid: int, attempts: int = 100, pause_s: float = 0.01) -> 
     """SIGKILL a stub at a moment when none of its threads holds a robust mutex.
 
     Every lock in python_backend's shared memory is a robust mutex: a stub that dies holding one makes the
-    server's next lock of it throw, and Triton 2.51 aborts (docs/benchmarks/lock-exception-r24.10.md). So the stub
+    server's next lock of it throw, and Triton 2.51 aborts (docs/benchmarks/notes/lock-exception-r24.10.md). So the stub
     is stopped (SIGSTOP), its threads' robust-mutex lists are read, and it is killed while still stopped if they
     are all empty; else it runs on a moment (SIGCONT) and the next attempt looks again. Returns whether such a
     moment was found; after `attempts`, or where the lists cannot be read, it is killed anyway (False)."""

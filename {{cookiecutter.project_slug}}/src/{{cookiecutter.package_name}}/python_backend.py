@@ -457,7 +457,7 @@ def exit_stub(drain_s: float = 0.05) -> None:
 
     It quiesces first, so that no thread of the stub is inside one of its interprocess critical sections when the
     process ends (a mutex left owner-dead makes the server abort with `lock_exception` when it next takes it;
-    docs/benchmarks/lock-exception-r24.10.md, fix 2): every Guard is stopped between sends (it holds its lock,
+    docs/benchmarks/notes/lock-exception-r24.10.md, fix 2): every Guard is stopped between sends (it holds its lock,
     so no response is half-sent), garbage is collected (the response senders of the last requests queue their
     cleanup messages now, not during the exit), and the stub's stub-to-parent thread gets `drain_s` to send what
     is queued (`time.sleep` lets go of the GIL).

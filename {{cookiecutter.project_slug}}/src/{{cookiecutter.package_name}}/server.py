@@ -362,7 +362,7 @@ class TritonServer:
         if self.mps is not None:  # the server and every stub it starts are clients of the run's MPS daemon
             env.update(self.mps.env)
         # A stub that crashes (a segfault in a library, an abort) prints its Python threads' stacks into the server
-        # log: the one clue 2.51 leaves when such a death takes the server down (lock-exception-r24.10.md in the
+        # log: the one clue 2.51 leaves when such a death takes the server down (notes/lock-exception-r24.10.md in the
         # template's docs/benchmarks).
         env.setdefault("PYTHONFAULTHANDLER", "1")
         return [str(binary), *flags], env

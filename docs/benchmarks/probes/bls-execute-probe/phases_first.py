@@ -1,7 +1,7 @@
 """Each pipeline stub's first execute against its later ones, from phases_model.py's lines (one file per stub):
 what a request pays when it is the first one an instance serves after load.
 
-    python docs/benchmarks/bls-execute-probe/phases_first.py $TMPDIR/pipeline-phases/*.jsonl
+    python docs/benchmarks/probes/bls-execute-probe/phases_first.py $TMPDIR/pipeline-phases/*.jsonl
 """
 
 import json

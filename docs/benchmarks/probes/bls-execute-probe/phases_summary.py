@@ -1,7 +1,7 @@
 """Summarize phases_model.py's lines: per run of executes with the same images per request (split where the
 probe's lines pause over 0.5 s, the e2e harness's point boundaries), the median of each phase in ms.
 
-    python docs/benchmarks/bls-execute-probe/phases_summary.py $TMPDIR/pipeline-phases/*.jsonl
+    python docs/benchmarks/probes/bls-execute-probe/phases_summary.py $TMPDIR/pipeline-phases/*.jsonl
 """
 
 import json

@@ -5,12 +5,12 @@ blocking `Future.result(timeout)` that looks for a recorded death of the called 
 up with the shipped call's error, or at the shipped deadline. The wait blocks the loop: calls that the shipped
 code overlaps (recipe 3's versions, the per-request retry after a bad image with `preprocess: "bls"`) run one
 after another here; with the default routing the pipeline makes one call per execute (resnet), so nothing
-overlaps. On the CPU of the template's machine, with a trivial called model (`docs/benchmarks/cpu-handoff/`), one
+overlaps. On the CPU of the template's machine, with a trivial called model (`docs/benchmarks/probes/cpu-handoff/`), one
 request's p50 read 1.46-1.51 ms this way against 1.76-1.84 ms with `async_exec()` and 1.37-1.38 ms with a bare
 `request.exec()`, which cannot be given up. Everything else in execute is the shipped code.
 On the H200 (a67d997, ../e2e-h200-a67d997-pool-probe.*) it did not help: one image 6.95 ms, BLS / ensemble
 0.86, 0.83, 0.83 at 1/4/16 x 8 against the shipped execute's 0.95, 0.96, 0.98 just before it. Not shipped.
-Install in a bake: gpu_run.sh's `probe docs/benchmarks/bls-execute-probe/pool_model.py` step."""
+Install in a bake: gpu_run.sh's `probe docs/benchmarks/probes/bls-execute-probe/pool_model.py` step."""
 
 import asyncio
 import importlib.util

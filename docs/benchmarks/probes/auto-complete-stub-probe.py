@@ -1,6 +1,6 @@
 """Does --disable-auto-complete-config change any model's config as the server reports it, and what does it save at
 start-up and per pipeline reload? Run from a baked project: PYTHONPATH=src:. python auto-complete-stub-probe.py
-(auto-complete-stub-cpu-13ee275.md has the figures; the JSON goes to /tmp/autocomplete_probe.json)."""
+(../auto-complete-stub-cpu-13ee275.md has the figures; the JSON goes to /tmp/autocomplete_probe.json)."""
 
 import json
 import tempfile

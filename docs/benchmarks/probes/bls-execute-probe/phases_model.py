@@ -8,7 +8,7 @@ $TMPDIR/pipeline-phases/<pid>.jsonl: the wall time, the images and requests of t
 - topk: the in-process top-k with its copy to the host;
 - other: the rest of execute (inputs read, batching, the event loop, the responses built).
 Against Triton's compute_infer for the pipeline, what is left is the stub's own cost around execute.
-Install in a bake: gpu_run.sh's `probe docs/benchmarks/bls-execute-probe/phases_model.py` step."""
+Install in a bake: gpu_run.sh's `probe docs/benchmarks/probes/bls-execute-probe/phases_model.py` step."""
 
 import importlib.util
 import json

@@ -9,7 +9,7 @@ drivers that each make one BLS call to it per request, the way the pipeline coul
 - drv_sync: `def execute`, `request.exec()`: no hand-over, and no way to give a call up.
 One client, one request in flight, 800 requests a model a round, 3 rounds interleaved; p50 and p90 in ms.
 
-    python docs/benchmarks/cpu-handoff/bench.py    # from a venv with a baked project installed (its server.py)
+    python docs/benchmarks/probes/cpu-handoff/bench.py    # from a venv with a baked project installed (its server.py)
 """
 
 import os
