@@ -369,18 +369,20 @@ def test_soak_verdict_tells_a_plateau_from_growth(default_project, monkeypatch):
 
 SUITE_COMBINATIONS = {"default": {}}
 # The second whole-suite bake is also made the user's own with recipe 1 (one bake, no extra server starts).
-MADE_YOURS = {"resnet_variant": "resnet18", "precision": "fp16", "max_batch_size": 4, "top_k": 3}
+MADE_YOURS = {"resnet_variant": "resnet18", "precision": "fp16", "max_batch_size": 4}
 
 
-def run_baked_tests(project: Path, *pytest_args: str) -> subprocess.CompletedProcess:
-    """The baked project's own tests (all, or those pytest_args select), against a real local tritonserver."""
+def run_baked_tests(project: Path, *pytest_args: str, as_generated: bool = True) -> subprocess.CompletedProcess:
+    """The baked project's own tests (all, or those pytest_args select), against a real local tritonserver.
+    as_generated=False: a project its user changed, where the guide's recipes skip instead of failing."""
     # Triton's Python-backend stubs import the package from this interpreter's site-packages (PYTHONPATH does
     # not reach them), so the baked project is installed, as its own Makefile would.
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(project)]
     subprocess.run(pip, check=True, timeout=300)
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env["RECIPES_MUST_APPLY"] = "1"  # the project as generated: docs/customizing.md's diffs must apply to it
+    if as_generated:
+        env["RECIPES_MUST_APPLY"] = "1"  # the project as generated: docs/customizing.md's diffs must apply to it
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *pytest_args],
         cwd=project,
@@ -426,10 +428,11 @@ def test_baked_project_passes_its_own_test_suite(tmp_path, answers):
     assert passed(run_baked_tests(bake(tmp_path, **answers)))
 
 
-def recipe_1(project: Path, classes: int = 10) -> list[str]:
+def recipe_1(project: Path, classes: int = 10, *options: str) -> list[str]:
     """docs/customizing.md's recipe 1 as a user runs it in their own project: a fine-tuned ResNet-18 (its own fc,
     `classes` outputs) and its labels file in the project root, then the recipe's `weights import` lines as
-    written. The weights are made here (seeded): nothing is downloaded. Returns the labels."""
+    written, with `options` added (e.g. --top-k 3). The weights are made here (seeded): nothing is downloaded.
+    Returns the labels."""
     import torch
     import torchvision
 
@@ -443,7 +446,7 @@ def recipe_1(project: Path, classes: int = 10) -> list[str]:
     assert commands, "recipe 1 shows its weights import command"
     package = tomllib.loads((project / "pyproject.toml").read_text())["project"]["scripts"][project.name]
     for line in commands:
-        args = shlex.split(line.split("#")[0])[1:]  # .venv/bin/<slug> -> this interpreter's console script module
+        args = [*shlex.split(line.split("#")[0])[1:], *options]  # .venv/bin/<slug> -> this interpreter's module
         cli = [sys.executable, "-m", package.split(":")[0], *args]
         env = {**os.environ, "PYTHONPATH": str(project / "src")}  # not installed yet: run_baked_tests does that
         done = subprocess.run(cli, cwd=project, env=env, capture_output=True, text=True, timeout=300)
@@ -451,18 +454,92 @@ def recipe_1(project: Path, classes: int = 10) -> list[str]:
     return labels
 
 
-def test_a_project_made_yours_with_recipe_1_keeps_its_own_suite_green(tmp_path):
-    """A user who follows recipe 1 in their own project (a 10-class ResNet-18, their labels; the bake's top-3
-    kept) keeps a green `make test`: the baked project's whole CPU suite, unit, end-to-end, reliability, shared
-    memory and the customizing recipes, at the repository's own class count. Also the second option combination
-    the whole suite runs for: fp16, max batch 4, no ensemble."""
+GATE_CONFIG = """name: "gate"
+backend: "python"
+max_batch_size: {batch}
+input [ {{ name: "PIXELS", data_type: {dtype}, dims: [ 3, 224, 224 ] }} ]
+output [ {{ name: "BRIGHTNESS", data_type: TYPE_FP32, dims: [ 1 ] }} ]
+dynamic_batching {{ }}
+instance_group [ {{ count: 1, kind: KIND_AUTO }} ]
+parameters [ {{ key: "FORCE_CPU_ONLY_INPUT_TENSORS", value: {{ string_value: "no" }} }} ]
+"""
+GATE_MODEL = '''"""Pixels -> the mean brightness of each image (0 black, 1 white)."""
+
+import torch
+import triton_python_backend_utils as pb_utils
+
+from {package}.python_backend import Instance, exit_stub, to_triton
+from {package}.stages import IMAGENET_MEAN, IMAGENET_STD
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.instance = Instance(args)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            pixels = self.instance.input(request, "PIXELS").float()
+            mean = torch.tensor(IMAGENET_MEAN, device=pixels.device).view(1, 3, 1, 1)
+            std = torch.tensor(IMAGENET_STD, device=pixels.device).view(1, 3, 1, 1)
+            brightness = (pixels * std + mean).mean(dim=(1, 2, 3)).unsqueeze(1)
+            responses.append(pb_utils.InferenceResponse([to_triton("BRIGHTNESS", brightness)]))
+        return responses
+
+    def finalize(self):
+        exit_stub()
+'''
+GATE_CALL = '''
+    def gate(self, pixels):
+        """Reject a request whose images are too dark to classify, by a BLS call to the gate model."""
+        result = self.instance.infer("gate", [to_triton("PIXELS", pixels)], ["BRIGHTNESS"], self.timeout_us)
+        if bool((self.instance.to_torch(result["BRIGHTNESS"]) < 0.1).any()):
+            raise InvalidImage("too dark to classify")
+'''
+
+
+def add_a_gate_model(project: Path, package: str) -> None:
+    """A fourth model in the BLS pipeline, as docs/customizing.md's recipe 2 says a stage of its own is added: its
+    directory in the model repository, a BLS call in the pipeline, and its entry in BLS_CALLS."""
+    repository = project / "model_repository"
+    resnet = model_config(project, "resnet")
+    dtype = model_config_pb2.DataType.Name(resnet.input[0].data_type)
+    (repository / "gate" / "1").mkdir(parents=True)
+    (repository / "gate" / "config.pbtxt").write_text(GATE_CONFIG.format(batch=resnet.max_batch_size, dtype=dtype))
+    (repository / "gate" / "1" / "model.py").write_text(GATE_MODEL.format(package=package))
+    model_py = repository / "pipeline" / "1" / "model.py"
+    text = model_py.read_text()
+    for old, new in [
+        ("    to_triton,\n)\n", f"    to_triton,\n)\nfrom {package}.stages import InvalidImage\n"),
+        (
+            "        logits = pixels.then(self.resnet)",
+            "        pixels = pixels.each(self.gate)\n        logits = pixels.then(self.resnet)",
+        ),
+        ("    def resnet(self, pixels):", GATE_CALL.lstrip("\n") + "\n    def resnet(self, pixels):"),
+    ]:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    model_py.write_text(text)
+    source = project / "src" / package / "model_repository.py"
+    old = 'BLS_CALLS = {"pipeline": ("preprocess", "resnet", "postprocess")}'
+    assert old in source.read_text()
+    source.write_text(source.read_text().replace(old, old.replace('"postprocess")', '"postprocess", "gate")')))
+
+
+def test_a_project_made_yours_keeps_its_own_suite_green(tmp_path):
+    """A user who follows recipe 1 in their own project with 3 classes and `--top-k 3` (a 3-class ResNet-18, their
+    labels; the bake's top-5 cut to 3), then adds a fourth model to the pipeline as the guide says, keeps a green
+    `make test`: the baked project's whole CPU suite, unit, end-to-end, reliability, shared memory and the
+    customizing recipes (which skip on the pipeline's model.py, now the user's). Also the second option
+    combination the whole suite runs for: fp16, max batch 4, no ensemble."""
     project = bake(tmp_path, **MADE_YOURS, include_ensemble=False)
-    labels = recipe_1(project)
+    labels = recipe_1(project, 3, "--top-k", "3")
     repository = project / "model_repository"
     assert (repository / "resnet" / "labels.txt").read_text().splitlines() == labels
-    assert [list(o.dims) for o in model_config(project, "resnet").output] == [[10]]
+    assert [list(o.dims) for o in model_config(project, "resnet").output] == [[3]]
     assert [list(o.dims) for o in model_config(project, "pipeline").output] == [[3]] * 3
-    assert passed(run_baked_tests(project))
+    add_a_gate_model(project, "image_classifier")
+    assert passed(run_baked_tests(project, as_generated=False))
 
 
 def test_smallest_max_batch_serves_ordinary_concurrency_and_still_rejects_overload(tmp_path):

@@ -300,3 +300,29 @@ def test_the_recipes_apply_alone_and_leave_lint_free_code(guide, tmp_path, recip
     for args in (["check"], ["format", "--check"]):
         result = subprocess.run([ruff, *args, *config, str(model_py)], capture_output=True, text=True)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_recipes_1_2_and_3_apply_in_order_after_an_import_with_its_own_top_k(guide, tmp_path):
+    """Recipe 1 with 3 classes and `--top-k 3` edits only the values that depend on them, so recipe 3's config
+    diffs (and recipe 2's) still apply to the files it wrote, with every comment of the configs kept."""
+    repository = tmp_path / "model_repository"
+    shutil.copytree(PROJECT / "model_repository", repository, ignore=shutil.ignore_patterns("*.pt", "__pycache__"))
+    configs = sorted(repository.glob("*/config.pbtxt"))
+    comments = {p: [line for line in p.read_text().splitlines() if "#" in line] for p in configs}
+    torch.manual_seed(3)
+    torch.save(torchvision.models.resnet18(num_classes=3).state_dict(), tmp_path / "my_resnet18.pt")
+    (tmp_path / "my_labels.txt").write_text("cat\ndog\nbird\n")
+    cli = [sys.executable, "-m", "{{ cookiecutter.package_name }}.cli", "weights", "import", "my_resnet18.pt"]
+    cli += ["--labels", "my_labels.txt", "--variant", "resnet18", "--top-k", "3", "--model-repository", str(repository)]
+    subprocess.run(cli, cwd=tmp_path, check=True, capture_output=True, timeout=300)
+    for path, lines in comments.items():
+        kept = [line for line in path.read_text().splitlines() if "#" in line]
+        assert kept == lines, f"{path.relative_to(tmp_path)}: its comments are kept"
+    changed = [*apply_diffs(guide[2], tmp_path), *apply_diffs(guide[3], tmp_path)]
+    assert {p.relative_to(tmp_path).as_posix() for p in changed} >= {
+        "model_repository/pipeline/config.pbtxt",
+        "model_repository/resnet/config.pbtxt",
+        "model_repository/pipeline/1/model.py",
+    }
+    assert [list(o.dims) for o in load_config(repository / "pipeline").output] == [[3]] * 3
+    assert load_config(repository / "pipeline").parameters["resnet_versions"].string_value == "1,2"

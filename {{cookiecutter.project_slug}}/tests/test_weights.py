@@ -2,6 +2,7 @@
 config.pbtxt field that depends on the class count. No server: checks of the files themselves."""
 
 import argparse
+import re
 import shutil
 import subprocess
 import sys
@@ -212,20 +213,49 @@ def test_a_canary_version_shares_the_config_and_labels(repository, resnet18_10, 
         import_weights(repository, tmp_path / "c.pt", version=3)
 
 
-def test_set_parameter_rewrites_one_parameter_with_comments_kept_or_through_protobuf(repository):
-    """model_repository.set_parameter, as benchmarks.e2e --stages and the fused e2e test use it: on the
-    shipped config (comments kept) and on one a `weights import` rewrote through protobuf (comments gone)."""
-    from {{ cookiecutter.package_name }}.model_repository import save_config, set_parameter
+def test_import_changes_only_the_values_it_must_and_keeps_every_comment(repository, tmp_path):
+    """`weights import` with its own classes and top-k, then the rewrites the tests and benchmarks make
+    (set_parameter, set_instance_counts): each config keeps its layout and every comment, only the values that
+    depend on them change, so docs/customizing.md's later recipes still apply to the files."""
+    from {{ cookiecutter.package_name }}.model_repository import set_instance_counts, set_parameter
 
-    def value(key):
-        return load_config(repository / "pipeline").parameters[key].string_value
-
-    timeout = value("bls_timeout_us")
+    configs = sorted(repository.glob("*/config.pbtxt"))
+    before = {path: path.read_text().splitlines() for path in configs}
+    torch.save(torchvision.models.resnet18(num_classes=3).state_dict(), tmp_path / "three.pt")
+    import_weights(repository, tmp_path / "three.pt", variant="resnet18", top_k=3)
     set_parameter(repository, "pipeline", "preprocess", "in_process")
-    assert value("preprocess") == "in_process" and value("postprocess") == "bls", "that parameter alone"
-    assert "# " in (repository / "pipeline" / "config.pbtxt").read_text(), "the comments are kept"
-    save_config(repository / "pipeline", load_config(repository / "pipeline"))
-    set_parameter(repository, "pipeline", "preprocess", "bls")
-    assert value("preprocess") == "bls" and value("bls_timeout_us") == timeout
+    set_instance_counts(repository, {"pipeline": 3})
+    assert_consistent(repository, 3, 3)
+    for path in configs:
+        after = path.read_text().splitlines()
+        assert len(after) == len(before[path]), f"{path}: the layout is kept"
+        changed = [(old, new) for old, new in zip(before[path], after) if old != new]
+        for old, new in changed:
+            assert "#" not in old and re.sub(r"\d+|resnet\w+|bls|in_process", "", old) == re.sub(
+                r"\d+|resnet\w+|bls|in_process", "", new
+            ), f"{path}: only a value changes: {old!r} -> {new!r}"
+    assert load_config(repository / "pipeline").parameters["preprocess"].string_value == "in_process"
+    assert load_config(repository / "pipeline").instance_group[0].count == 3
+
+
+def test_a_change_of_another_kind_is_written_through_protobuf_and_still_parses(repository):
+    """save_config edits values in place; a change it cannot edit so (here a new output) rewrites the file
+    through protobuf's text format, its leading comment kept, and the file reads back as the config."""
+    from {{ cookiecutter.package_name }}.model_repository import save_config
+
+    config = load_config(repository / "postprocess")
+    extra = config.output.add()
+    extra.CopyFrom(config.output[0])
+    extra.name = "EXTRA"
+    assert save_config(repository / "postprocess", config)
+    assert load_config(repository / "postprocess") == config
+    text = (repository / "postprocess" / "config.pbtxt").read_text()
+    assert text.startswith("#") and 'name: "EXTRA"' in text
+    assert not save_config(repository / "postprocess", config), "an unchanged config is not written"
+
+
+def test_set_parameter_names_a_missing_parameter(repository):
+    from {{ cookiecutter.package_name }}.model_repository import set_parameter
+
     with pytest.raises(ValueError, match="no parameter 'nonesuch'"):
         set_parameter(repository, "pipeline", "nonesuch", "x")

@@ -1,7 +1,8 @@
 """The model repository: its names, the Triton type table, and its config.pbtxt files, read and rewritten.
 
-The configs are the single source of the variant, weights, classes, top-k and max batch size. Rewrites go through
-Triton's ModelConfig protobuf (text_format), never through string edits. Imported inside the Python-backend stubs
+The configs are the single source of the variant, weights, classes, top-k and max batch size. A rewrite changes
+Triton's ModelConfig protobuf, then edits only the changed values in the file (comments and layout kept) and checks
+that the file parses as the changed config (save_config). Imported inside the Python-backend stubs
 too (python_backend.py, for the type table): protobuf and tritonclient are imported only where a config is read.
 """
 
@@ -119,23 +120,109 @@ def load_config(model_dir: Path | str) -> model_config_pb2.ModelConfig:
 def save_config(model_dir: Path | str, config: model_config_pb2.ModelConfig) -> bool:
     """Write `config` as `<model_dir>/config.pbtxt` if it differs from the file; True if it was written.
 
-    The file's leading comment lines are kept; comments inside, and fields left at their default, are not
-    (protobuf's text format drops both).
+    The values that change are edited where they stand, so the file keeps its layout and every comment: tensor
+    dims and label files (by tensor name), instance counts and string parameters. A change of any other kind
+    rewrites the file through protobuf's text format, which keeps the leading comment lines only.
     """
     from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
 
     path = Path(model_dir) / "config.pbtxt"
-    if load_config(model_dir) == config:
+    old = load_config(model_dir)
+    if old == config:
         return False
-    header = []
-    for line in path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        header.append(line + "\n")
+    text = _edited(path.read_text(), old, config)
+    if text is None or text_format.Parse(text, model_config_pb2.ModelConfig()) != config:
+        header = []
+        for line in path.read_text().splitlines():
+            if not line.startswith("#"):
+                break
+            header.append(line + "\n")
+        text = "".join(header) + text_format.MessageToString(config, use_short_repeated_primitives=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(header) + text_format.MessageToString(config, use_short_repeated_primitives=True))
+    tmp.write_text(text)
     tmp.replace(path)
     return True
+
+
+def _edited(text: str, old: model_config_pb2.ModelConfig, new: model_config_pb2.ModelConfig) -> str | None:
+    """`text` (which parses as `old`) with the values in which `new` differs edited in place; None if it differs
+    in anything else (save_config then checks the result by parsing it)."""
+    if [t.name for t in old.input] != [t.name for t in new.input]:
+        return None
+    if [t.name for t in old.output] != [t.name for t in new.output]:
+        return None
+    if len(old.instance_group) != len(new.instance_group) or set(old.parameters) != set(new.parameters):
+        return None
+    for field in ("input", "output"):
+        for before, after in zip(getattr(old, field), getattr(new, field)):
+            block = _block(text, field, lambda _, body, name=before.name: re.search(rf'\bname:\s*"{name}"', body))
+            if block is None:
+                return None
+            start, end = block
+            body = text[start:end]
+            if list(before.dims) != list(after.dims):
+                dims = "[ " + ", ".join(str(d) for d in after.dims) + " ]"
+                body, found = re.subn(r"\bdims:\s*\[[^\]]*\]", f"dims: {dims}", body, count=1)
+                if not found:
+                    return None
+            if field == "output" and before.label_filename != after.label_filename:
+                label = f'label_filename: "{after.label_filename}"'
+                body, found = re.subn(r'\blabel_filename:\s*"[^"]*"', label, body, count=1)
+                if not found:
+                    body = body[:-1].rstrip() + f", {label} }}"
+            text = text[:start] + body + text[end:]
+    for i, (before, after) in enumerate(zip(old.instance_group, new.instance_group)):
+        if before.count != after.count:
+            block = _block(text, "instance_group", lambda index, _, i=i: index == i)
+            if block is None:
+                return None
+            start, end = block
+            body, found = re.subn(r"\bcount:\s*\d+", f"count: {after.count}", text[start:end], count=1)
+            if not found:
+                return None
+            text = text[:start] + body + text[end:]
+    for key in old.parameters:
+        if old.parameters[key] != new.parameters[key]:
+            value = new.parameters[key].string_value.replace("\\", "\\\\").replace('"', '\\"')
+            pattern = r'(\{\s*key:\s*"' + re.escape(key) + r'"\s*,?\s*value:\s*\{\s*string_value:\s*)"(?:[^"\\]|\\.)*"'
+            text, found = re.subn(pattern, lambda m, value=value: f'{m.group(1)}"{value}"', text, count=1)
+            if not found:
+                return None
+    return text
+
+
+def _block(text: str, field: str, wanted) -> tuple[int, int] | None:
+    """(start, end) of the first `{ ... }` element of the list `field: [ ... ]` for which wanted(index, element) is
+    true, comments and quoted strings skipped."""
+    opening = re.search(rf"(?m)^\s*{field}\s*:?\s*\[", text)
+    if opening is None:
+        return None
+    depth, start, index, i = 0, None, 0, opening.end()
+    while i < len(text):
+        char = text[i]
+        if char == "#":
+            i = text.find("\n", i)
+            if i < 0:
+                return None
+        elif char == '"':
+            i += 1
+            while i < len(text) and text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+        elif char in "{[":
+            depth += 1
+            if depth == 1 and char == "{":
+                start = i
+        elif char in "}]":
+            if depth == 0:
+                return None  # the end of the list
+            depth -= 1
+            if depth == 0 and char == "}":
+                if wanted(index, text[start : i + 1]):
+                    return start, i + 1
+                index += 1
+        i += 1
+    return None
 
 
 def instances_on_gpu(config: model_config_pb2.ModelConfig, gpu: int = 0) -> int:
@@ -192,33 +279,22 @@ def top_k(repository: Path | str) -> int:
 def set_instance_counts(repository: Path | str, counts: dict[str, int]) -> None:
     """Rewrite the instance_group count of some models in place, comments kept: `{"preprocess": 4}`."""
     for model, count in counts.items():
-        path = Path(repository) / model / "config.pbtxt"
-        text, found = re.subn(r"(instance_group \[ \{ count: )\d+", rf"\g<1>{count}", path.read_text())
-        if found:
-            path.write_text(text)
-            continue
-        config = load_config(path.parent)  # a config rewritten through protobuf (`weights import`)
+        config = load_config(Path(repository) / model)
         if not config.instance_group:
-            raise ValueError(f"{path}: no instance_group to rewrite")
+            raise ValueError(f"{Path(repository) / model / 'config.pbtxt'}: no instance_group to rewrite")
         for group in config.instance_group:
             group.count = count
-        save_config(path.parent, config)
+        save_config(Path(repository) / model, config)
 
 
 def set_parameter(repository: Path | str, model: str, key: str, value: str) -> None:
     """Rewrite one string parameter of a model's config in place, comments kept: `("pipeline", "preprocess",
     "in_process")`. Raises ValueError if the config has no such parameter."""
-    path = Path(repository) / model / "config.pbtxt"
-    pattern = r"(\{ key: \"" + re.escape(key) + r"\", value: \{ string_value: )\"[^\"]*\""
-    text, found = re.subn(pattern, lambda m: f'{m.group(1)}"{value}"', path.read_text())
-    if found:
-        path.write_text(text)
-        return
-    config = load_config(path.parent)  # a config rewritten through protobuf (`weights import`)
+    config = load_config(Path(repository) / model)
     if key not in config.parameters:
-        raise ValueError(f"{path}: no parameter {key!r} to rewrite")
+        raise ValueError(f"{Path(repository) / model / 'config.pbtxt'}: no parameter {key!r} to rewrite")
     config.parameters[key].string_value = value
-    save_config(path.parent, config)
+    save_config(Path(repository) / model, config)
 
 
 def python_models(repository: Path | str) -> list[str]:
