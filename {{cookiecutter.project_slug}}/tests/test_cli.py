@@ -16,12 +16,14 @@ from pathlib import Path
 
 import pytest
 from conftest import PROJECT, local_server_only, make_image
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
 
 from {{ cookiecutter.package_name }} import admin_key, restarts
 from {{ cookiecutter.package_name }}.client import ImageClassifier
 from {{ cookiecutter.package_name }}.console import HARMLESS_WITHOUT_GPU
 from {{ cookiecutter.package_name }}.health import orphaned_stubs, stub_processes
-from {{ cookiecutter.package_name }}.model_repository import labels_path, top_k
+from {{ cookiecutter.package_name }}.model_repository import labels_path, load_config, set_parameter, top_k
 from {{ cookiecutter.package_name }}.server import free_port, visible_gpus
 from {{ cookiecutter.package_name }}.stages import read_labels
 
@@ -92,6 +94,14 @@ def test_a_mixed_batch_prints_the_good_images_and_names_each_bad_one(server, env
     assert len(errors) == 2 and "Traceback" not in done.stderr, done.stderr
     assert errors[0].startswith("error: notes.txt: ") and "not a JPEG or PNG image" in errors[0]
     assert errors[1] == "error: missing.jpg: no such file"
+
+
+def test_a_model_that_is_not_loaded_is_one_error_line_not_a_traceback(server, env, images):
+    """As when the pipeline is unloaded: one `error:` line that names the model and what to run, exit 2."""
+    done = classify(server, env, "--model", "nonesuch", images["cat.jpg"])
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr.startswith("error: the server at ") and "no model 'nonesuch' ready" in done.stderr
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
 
 
 def test_a_bad_file_alone_is_one_error_line_and_exit_1(server, env, images):
@@ -435,6 +445,34 @@ def test_serve_fails_fast_naming_a_model_that_cannot_load(model_repository, env,
     assert re.search(f"error: model 'postprocess': {says}", done.stderr), done.stderr
     assert "the log's last lines:" in done.stderr
     assert took < 30, took
+
+
+@local_server_only
+def test_an_ensemble_whose_shapes_do_not_fit_its_steps_is_named_not_a_model_it_calls(model_repository, env, tmp_path):
+    """An ensemble that says top-(k+1) where its step answers top-k: serve fails naming the ensemble and the
+    shape Triton found wrong (it named a step's stub, which exited as the server stopped)."""
+    repo = tmp_path / "model_repository"
+    (repo / "postprocess" / "1").mkdir(parents=True)
+    for name in ("config.pbtxt", "1/model.py"):
+        shutil.copy(model_repository / "postprocess" / name, repo / "postprocess" / name)
+    post = load_config(repo / "postprocess")
+    classes, k = post.input[0].dims[0], post.output[0].dims[0]
+    (repo / "top_k" / "1").mkdir(parents=True)
+    ensemble = model_config_pb2.ModelConfig(name="top_k", platform="ensemble", max_batch_size=post.max_batch_size)
+    ensemble.input.add(name="LOGITS", data_type=model_config_pb2.TYPE_FP32, dims=[classes])
+    ensemble.output.add(name="SCORES", data_type=model_config_pb2.TYPE_FP32, dims=[k + 1])
+    step = ensemble.ensemble_scheduling.step.add(model_name="postprocess", model_version=-1)
+    step.input_map["LOGITS"], step.output_map["SCORES"] = "LOGITS", "SCORES"
+    (repo / "top_k" / "config.pbtxt").write_text(text_format.MessageToString(ensemble))
+    shutil.copy(labels_path(model_repository), repo / "postprocess" / "labels.txt")
+    set_parameter(repo, "postprocess", "labels_file", "labels.txt")
+    ports = [str(free_port()) for _ in range(3)]
+    argv = [*CLI, "serve", "--model-repository", str(repo), "--log-file", str(tmp_path / "triton.log")]
+    argv += ["--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2], "--timeout", "300"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    says = "error: model 'top_k': failed to load: ensemble tensor SCORES: inconsistent shape"
+    assert says in done.stderr, done.stderr
 
 
 @local_server_only

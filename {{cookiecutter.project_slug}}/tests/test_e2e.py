@@ -91,8 +91,8 @@ def test_pipeline_and_ensemble_answer_the_same(server, model_repository, max_bat
         pytest.skip("this project was baked without the ensemble")
     steps = {step.model_name for step in load_config(model_repository / "ensemble").ensemble_scheduling.step}
     if steps != set(BLS_CALLS["pipeline"]):
-        calls = sorted(BLS_CALLS["pipeline"])
-        pytest.skip(f"the pipeline calls {calls}, the ensemble {sorted(steps)}: they answer alike only with the same steps")
+        calls, steps = sorted(BLS_CALLS["pipeline"]), sorted(steps)
+        pytest.skip(f"the pipeline calls {calls}, the ensemble {steps}: they answer alike only with the same steps")
     images = [make_image(50), make_image(51, fmt="PNG")][:max_batch]
     bls, ens = (
         infer(server.grpc_url, [image_input(images)], "pipeline"),

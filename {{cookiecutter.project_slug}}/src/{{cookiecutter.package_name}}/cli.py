@@ -350,8 +350,20 @@ def classify(args) -> int:
                 return fail(f"the server at {args.url} is not live")
         except InferenceServerException as exc:
             return fail(unreachable(args.url, exc))
-        outcome |= classify_each(client, images, dict(args.param) or None, args.shared_memory == "cuda")
+        try:
+            if not client.is_ready(args.model):
+                return fail(not_ready(args.url, args.model))
+            outcome |= classify_each(client, images, dict(args.param) or None, args.shared_memory == "cuda")
+        except InferenceServerException as exc:  # the model went away between the calls
+            return fail(f"{not_ready(args.url, args.model)} ({(exc.message() or str(exc)).splitlines()[0]})")
     return report(args, outcome)
+
+
+def not_ready(url: str, model: str) -> str:
+    return (
+        f"the server at {url} has no model {model!r} ready: `{{ cookiecutter.project_slug }} health` lists the "
+        f"models that are, `{{ cookiecutter.project_slug }} reload {model}` loads it again"
+    )
 
 
 def report(args, outcome: dict) -> int:

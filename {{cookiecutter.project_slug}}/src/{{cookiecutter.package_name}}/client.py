@@ -143,6 +143,9 @@ class ImageClassifier:
     def is_live(self) -> bool:
         return self.client.is_server_live()
 
+    def is_ready(self, model: str) -> bool:
+        return self.client.is_model_ready(model)
+
     def config(self, model: str):
         """The model's config (a ModelConfig protobuf), as the server serves it; read once per client."""
         if model not in self._configs:

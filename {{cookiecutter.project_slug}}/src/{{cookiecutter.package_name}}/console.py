@@ -26,6 +26,8 @@ HARMLESS_WITHOUT_GPU = (
 LOADING = re.compile(r'"loading: ([^:"]+):\d+"')
 LOADED = re.compile(r"\"successfully loaded '([^']+)'\"")
 LOAD_FAILED = re.compile(r"\"failed to load '([^']+)' version \d+: (.*)\"$")
+# An ensemble whose steps do not fit together is refused before it loads, in a line of its own (2.51).
+ENSEMBLE_INVALID = re.compile(r"\"Invalid argument: in ensemble ([^,\s]+), (.*)\"$")
 ERROR = re.compile(r"^E\d{4} |^Error: ")
 
 
@@ -54,7 +56,7 @@ class LogPump(threading.Thread):
         return self.cpu_only and any(text in line for text in HARMLESS_WITHOUT_GPU)
 
     def show(self, line: str) -> None:
-        if failed := LOAD_FAILED.search(line.rstrip()):
+        if failed := LOAD_FAILED.search(line.rstrip()) or ENSEMBLE_INVALID.search(line.rstrip()):
             self.load_errors.setdefault(failed.group(1), failed.group(2).replace("\\n", "\n").strip())
         if self.verbose:
             if self.harmless(line):
