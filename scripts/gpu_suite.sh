@@ -8,15 +8,16 @@
 #   scripts/gpu_suite.sh OUT 3               # the third
 #   scripts/gpu_suite.sh --merge A.xml B.xml >docs/benchmarks/h200-suite-COMMIT.xml    # here: one JUnit file
 #
-# Part 1 is the reliability tests but the watchdog's and the guard's (342-512 s on an H200), part 3 the watchdog's two
-# and the guard's (251-296 s), part 2 every other test file, so a new one is never left out (at 13ee275 it had not
-# finished after 463 s: keep SUITE_LIMIT_S at its default for parts 1 and 2). A test file or node id of the baked project
-# (relative to its root, e.g. tests/test_customizing.py) instead of a part number runs just that (suite-custom.*). Each part stops like a Ctrl-C at SUITE_LIMIT_S (default 540 s, so that a call of 598 s has room
-# to install, stop the servers and write) and writes OUT/suite-N.xml (JUnit, with each test's output) and
+# Three parts of about 400-500 s each on an H100 (a call of 600 s): part 1 is the reliability tests but the
+# watchdog's and the guard's, part 2 the GPU, MPS, shared-memory and CLI tests (the CLI's start servers of their own),
+# part 3 the watchdog's and the guard's, then every other test file, so a new one is never left out. A test file or
+# node id of the baked project (relative to its root, e.g. tests/test_customizing.py) instead of a part number runs
+# just that (suite-custom.*). Each part stops like a Ctrl-C at SUITE_LIMIT_S (default 540 s, so that a call of 598 s
+# has room to install, stop the servers and write) and writes OUT/suite-N.xml (JUnit, with each test's output) and
 # OUT/suite-N.log (pytest -v -rs, the servers' logs on failure), and OUT/stubs.log: the stubs per model and the GPU's
-# processes, once a second. `OUT 1 2` runs both side by side in one call, but on one H200 at the shipped counts that ran out of
-# GPU resources (servers of both parts loading at once: "unable to create stream: out of memory"), so run one
-# part per call there.
+# processes, once a second. `OUT 1 2` runs both side by side in one call, but on one H200 at the shipped counts that
+# ran out of GPU resources (servers of both parts loading at once: "unable to create stream: out of memory"), so run
+# one part per call there.
 set -uo pipefail
 here=$(realpath "$(dirname "$0")")
 if [[ ${1:-} == --merge ]]; then
@@ -52,8 +53,9 @@ image-classifier weights random >/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 # GPU tests first: should a part run out of time, what matters most has run.
 first=(tests/test_reliability.py)
-rest=(tests/test_gpu.py tests/test_mps.py tests/test_shared_memory.py)
-for f in tests/test_*.py; do [[ " ${first[*]} ${rest[*]} " == *" $f "* ]] || rest+=("$f"); done
+second=(tests/test_gpu.py tests/test_mps.py tests/test_shared_memory.py tests/test_cli.py)
+rest=()
+for f in tests/test_*.py; do [[ " ${first[*]} ${second[*]} " == *" $f "* ]] || rest+=("$f"); done
 # pytest with Ctrl-C restored (a background job of a script ignores SIGINT): at SUITE_LIMIT_S it stops like a
 # Ctrl-C, stops its servers and still writes its JUnit XML for the tests that ran.
 PYTEST='import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); sys.exit(pytest.main())'
@@ -62,8 +64,8 @@ run_part() {
   local files
   case $1 in
     1) files=("${first[@]}" -k "not watchdog and not guard") ;;
-    3) files=("${first[@]}" -k "watchdog or guard") ;;
-    2) files=("${rest[@]}") ;;
+    2) files=("${second[@]}") ;;
+    3) files=("${first[@]}" "${rest[@]}" -k "not test_reliability or watchdog or guard") ;;
     *) files=("$1") ;;
   esac
   PYTHONUNBUFFERED=1 timeout -s INT -k 60 "${SUITE_LIMIT_S:-540}" python3 -c "$PYTEST" -v -rs -p no:cacheprovider -o junit_logging=system-out \

@@ -23,7 +23,13 @@ from {{ cookiecutter.package_name }} import admin_key, restarts
 from {{ cookiecutter.package_name }}.client import ImageClassifier
 from {{ cookiecutter.package_name }}.console import HARMLESS_WITHOUT_GPU
 from {{ cookiecutter.package_name }}.health import orphaned_stubs, stub_processes
-from {{ cookiecutter.package_name }}.model_repository import labels_path, load_config, set_parameter, top_k
+from {{ cookiecutter.package_name }}.model_repository import (
+    labels_path,
+    load_config,
+    python_models,
+    set_parameter,
+    top_k,
+)
 from {{ cookiecutter.package_name }}.server import free_port, visible_gpus
 from {{ cookiecutter.package_name }}.stages import read_labels
 
@@ -313,7 +319,7 @@ def test_serve_sizes_the_counts_to_this_machine_and_leaves_the_users_files_alone
         planned = re.match(r"instances: (CPU|GPU 0): .* -> (.*) \(~\d+\.\d GiB, ", lines[0])
         assert planned, lines[0]
         counts = {m: int(n) for m, n in (part.rsplit(" ", 1) for part in planned.group(2).split(", "))}
-        assert set(counts) == {"pipeline", "preprocess", "resnet", "postprocess"}
+        assert set(counts) == set(python_models(repo)), "every Python-backend model, the user's own too"
         running = [m for m in stub_processes(tritonserver_of(process.pid)).values() if m is not None]
         assert {m: running.count(m) for m in counts} == counts, "the server runs the stubs the plan chose"
         if not visible_gpus() and (os.cpu_count() or 1) <= 3:

@@ -525,18 +525,27 @@ class TritonServer:
                 self.log.flush()
             return 0 if drained else code
         finally:
+            if self.process.poll() is not None:
+                self.end_orphaned_stubs()  # a stub a reload was starting as the server went can outlive it
             self.remove_shm_regions()
 
     def restart(self) -> TritonServer:
-        """Start the server again after its process died on its own (restarts.py): its stubs, which outlive it
-        (orphans, found by this server's /dev/shm prefix), and their regions go first; the MPS daemon stays."""
-        from .health import orphaned_stubs
-
-        for pid in orphaned_stubs(self.settings.shm_prefix):
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        """Start the server again after its process died on its own (restarts.py): its stubs, which outlive it,
+        and their regions go first; the MPS daemon stays."""
+        self.end_orphaned_stubs()
         self.remove_shm_regions()
         return self.start()
+
+    def end_orphaned_stubs(self) -> None:
+        """SIGKILL the stubs of this server that outlived its process (found by its /dev/shm prefix)."""
+        from .health import orphaned_stubs
+
+        deadline = time.monotonic() + 5
+        while (orphans := orphaned_stubs(self.settings.shm_prefix)) and time.monotonic() < deadline:
+            for pid in orphans:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
 
     def remove_shm_regions(self) -> None:
         """A stub that died (killed, crashed) never unlinks its /dev/shm region, and after such a crash
