@@ -428,22 +428,23 @@ def test_baked_project_passes_its_own_test_suite(tmp_path, answers):
     assert passed(run_baked_tests(bake(tmp_path, **answers)))
 
 
-def recipe_1(project: Path, classes: int = 10, *options: str) -> list[str]:
-    """docs/customizing.md's recipe 1 as a user runs it in their own project: a fine-tuned ResNet-18 (its own fc,
-    `classes` outputs) and its labels file in the project root, then the recipe's `weights import` lines as
-    written, with `options` added (e.g. --top-k 3). The weights are made here (seeded): nothing is downloaded.
-    Returns the labels."""
+def save_resnet18(path: Path, classes: int, seed: int) -> Path:
+    """A fine-tuned torchvision ResNet-18's state dict (its own fc, `classes` outputs), made here, seeded."""
     import torch
     import torchvision
 
-    torch.manual_seed(7)
-    torch.save(torchvision.models.resnet18(num_classes=classes).state_dict(), project / "my_resnet18.pt")
-    labels = [f"breed {i}" for i in range(classes)]
-    (project / "my_labels.txt").write_text("".join(label + "\n" for label in labels))
+    torch.manual_seed(seed)
+    torch.save(torchvision.models.resnet18(num_classes=classes).state_dict(), path)
+    return path
+
+
+def run_guide_commands(project: Path, recipe: int, *options: str) -> None:
+    """docs/customizing.md's `weights import` lines of that recipe, as a user runs them in their own project, with
+    `options` added (e.g. --top-k 3)."""
     guide = (project / "docs" / "customizing.md").read_text()
-    section = guide.split("\n## 1. ", 1)[1].split("\n## ", 1)[0]
+    section = guide.split(f"\n## {recipe}. ", 1)[1].split("\n## ", 1)[0]
     commands = [line for line in section.splitlines() if " weights import " in line and line.startswith(".venv/")]
-    assert commands, "recipe 1 shows its weights import command"
+    assert commands, f"recipe {recipe} shows its weights import command"
     package = tomllib.loads((project / "pyproject.toml").read_text())["project"]["scripts"][project.name]
     for line in commands:
         args = [*shlex.split(line.split("#")[0])[1:], *options]  # .venv/bin/<slug> -> this interpreter's module
@@ -451,6 +452,29 @@ def recipe_1(project: Path, classes: int = 10, *options: str) -> list[str]:
         env = {**os.environ, "PYTHONPATH": str(project / "src")}  # not installed yet: run_baked_tests does that
         done = subprocess.run(cli, cwd=project, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
+
+
+def apply_guide_diffs(project: Path, recipe: int) -> None:
+    """docs/customizing.md's diffs of that recipe, applied to the project's files by the project's own
+    tests/test_customizing.py (which fails if one does not apply)."""
+    code = (
+        "import sys; from pathlib import Path; sys.path.insert(0, 'tests'); import test_customizing as t; "
+        f"t.apply_diffs(t.sections(t.GUIDE.read_text())[{recipe}], Path('.'))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(project / "src"), "RECIPES_MUST_APPLY": "1"}
+    argv = [sys.executable, "-c", code]
+    done = subprocess.run(argv, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def recipe_1(project: Path, classes: int = 10, *options: str) -> list[str]:
+    """docs/customizing.md's recipe 1 as a user runs it in their own project: a fine-tuned ResNet-18 (its own fc,
+    `classes` outputs) and its labels file in the project root, then the recipe's `weights import` lines as
+    written, with `options` added. Nothing is downloaded. Returns the labels."""
+    save_resnet18(project / "my_resnet18.pt", classes, seed=7)
+    labels = [f"breed {i}" for i in range(classes)]
+    (project / "my_labels.txt").write_text("".join(label + "\n" for label in labels))
+    run_guide_commands(project, 1, *options)
     return labels
 
 
@@ -508,17 +532,14 @@ def add_a_gate_model(project: Path, package: str) -> None:
     (repository / "gate" / "config.pbtxt").write_text(GATE_CONFIG.format(batch=resnet.max_batch_size, dtype=dtype))
     (repository / "gate" / "1" / "model.py").write_text(GATE_MODEL.format(package=package))
     model_py = repository / "pipeline" / "1" / "model.py"
-    text = model_py.read_text()
-    for old, new in [
-        ("    to_triton,\n)\n", f"    to_triton,\n)\nfrom {package}.stages import InvalidImage\n"),
-        (
-            "        logits = pixels.then(self.resnet)",
-            "        pixels = pixels.each(self.gate)\n        logits = pixels.then(self.resnet)",
-        ),
-        ("    def resnet(self, pixels):", GATE_CALL.lstrip("\n") + "\n    def resnet(self, pixels):"),
-    ]:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
+    lines = model_py.read_text().splitlines(keepends=True)
+    last_pixels = max(i for i, line in enumerate(lines) if line.startswith("        pixels = "))
+    lines.insert(last_pixels + 1, "        pixels = pixels.each(self.gate)  # a model of its own\n")
+    text = "".join(lines)
+    if "InvalidImage" not in text:
+        text = text.replace("    to_triton,\n)\n", f"    to_triton,\n)\nfrom {package}.stages import InvalidImage\n", 1)
+    at = text.index("    def resnet(self, pixels")
+    text = text[:at] + GATE_CALL.lstrip("\n") + "\n" + text[at:]
     model_py.write_text(text)
     source = project / "src" / package / "model_repository.py"
     old = 'BLS_CALLS = {"pipeline": ("preprocess", "resnet", "postprocess")}'
@@ -527,18 +548,24 @@ def add_a_gate_model(project: Path, package: str) -> None:
 
 
 def test_a_project_made_yours_keeps_its_own_suite_green(tmp_path):
-    """A user who follows recipe 1 in their own project with 3 classes and `--top-k 3` (a 3-class ResNet-18, their
-    labels; the bake's top-5 cut to 3), then adds a fourth model to the pipeline as the guide says, keeps a green
-    `make test`: the baked project's whole CPU suite, unit, end-to-end, reliability, shared memory and the
-    customizing recipes (which skip on the pipeline's model.py, now the user's). Also the second option
+    """A user who follows docs/customizing.md in their own project keeps a green `make test`: recipe 1 with 3
+    classes and `--top-k 3` (a 3-class ResNet-18, their labels; the bake's top-5 cut to 3), recipe 2's gate,
+    recipe 3's routing (a second ResNet version), then a fourth model added to the pipeline as the guide says.
+    Then the baked project's whole CPU suite runs as the user's: unit, end-to-end, reliability, shared memory,
+    and the customizing recipes (which skip on the files that are now the user's). Also the second option
     combination the whole suite runs for: fp16, max batch 4, no ensemble."""
     project = bake(tmp_path, **MADE_YOURS, include_ensemble=False)
     labels = recipe_1(project, 3, "--top-k", "3")
+    apply_guide_diffs(project, 2)
+    save_resnet18(project / "my_resnet18_v2.pt", 3, seed=8)
+    run_guide_commands(project, 3)
+    apply_guide_diffs(project, 3)
+    add_a_gate_model(project, "image_classifier")
     repository = project / "model_repository"
     assert (repository / "resnet" / "labels.txt").read_text().splitlines() == labels
     assert [list(o.dims) for o in model_config(project, "resnet").output] == [[3]]
     assert [list(o.dims) for o in model_config(project, "pipeline").output] == [[3]] * 3
-    add_a_gate_model(project, "image_classifier")
+    assert (repository / "resnet" / "2" / "weights.pt").is_file()
     assert passed(run_baked_tests(project, as_generated=False))
 
 
