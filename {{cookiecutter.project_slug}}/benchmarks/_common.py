@@ -126,14 +126,11 @@ def set_precision(repository: Path, precision: str) -> None:
 
 def bench_repository(workdir: Path) -> Path:
     """A copy of the project's model repository in `workdir`, with deterministic random weights if it has none."""
-    from {{ cookiecutter.package_name }}.model_repository import num_classes, resnet_weights
-    from {{ cookiecutter.package_name }}.weights import write_random
+    from {{ cookiecutter.package_name }}.weights import write_random_versions
 
     repo = Path(workdir) / "model_repository"
     shutil.copytree(PROJECT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
-    variant, weights = resnet_weights(repo)
-    if not weights.is_file():
-        write_random(variant, weights, num_classes=num_classes(repo))
+    write_random_versions(repo, only_missing=True)
     return repo
 
 

@@ -25,7 +25,6 @@ from tritonclient.grpc import model_config_pb2
 from {{ cookiecutter.package_name }}.client import ImageClassifier
 from {{ cookiecutter.package_name }}.model_repository import (
     load_config,
-    num_classes,
     pixels_dtype,
     python_models,
     resnet_weights,
@@ -34,7 +33,7 @@ from {{ cookiecutter.package_name }}.model_repository import (
 )
 from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
 from {{ cookiecutter.package_name }}.stages import Reference
-from {{ cookiecutter.package_name }}.weights import write_random
+from {{ cookiecutter.package_name }}.weights import write_random_versions
 
 PROJECT = Path(__file__).resolve().parents[1]
 EXTERNAL_GRPC_URL = os.environ.get("TRITON_GRPC_URL")
@@ -121,8 +120,7 @@ def model_repository(tmp_path_factory) -> Path:
         # The shipped counts overlap stages on a GPU; on a CPU (2 cores in CI) extra stubs only cost load time and
         # memory, so the CPU tests run one instance per model. The GPU tests serve the shipped counts.
         set_instance_counts(repo, dict.fromkeys(python_models(repo), 1))
-    variant, weights = resnet_weights(repo)
-    write_random(variant, weights, seed=0, num_classes=num_classes(repo))
+    write_random_versions(repo, seed=0)  # every resnet version (recipe 3 adds a second)
     return repo
 
 

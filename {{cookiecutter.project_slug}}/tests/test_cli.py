@@ -290,13 +290,11 @@ def test_serve_sizes_the_counts_to_this_machine_and_leaves_the_users_files_alone
     says the counts chosen for this machine and why, the server runs exactly those stubs, `health` says the same,
     an edit of config.pbtxt goes live with `reload` at the sized count, and after Ctrl-C nothing in the repository
     differs from what the user wrote (config.pbtxt never rewritten; the sized configs gone)."""
-    from {{ cookiecutter.package_name }}.model_repository import num_classes, resnet_weights
-    from {{ cookiecutter.package_name }}.weights import write_random
+    from {{ cookiecutter.package_name }}.weights import write_random_versions
 
     repo = tmp_path / "model_repository"
     shutil.copytree(PROJECT / "model_repository", repo, ignore=shutil.ignore_patterns("*.pt", "__pycache__", "configs"))
-    variant, weights = resnet_weights(repo)
-    write_random(variant, weights, seed=0, num_classes=num_classes(repo))
+    write_random_versions(repo)
 
     def files() -> dict[str, bytes]:
         return {

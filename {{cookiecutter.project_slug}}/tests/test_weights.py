@@ -111,6 +111,23 @@ def test_random_keeps_the_imported_classes_labels_and_configs_and_imagenet_bring
     assert torch.load(resnet_weights(repository)[1], weights_only=True)["fc.weight"].shape == (1000, 512)
 
 
+def test_random_also_writes_the_other_versions_that_have_no_weights(repository, resnet18_10, tmp_path):
+    """A project with recipe 3's second resnet version, cloned fresh (weights.pt is git-ignored): `weights random`,
+    which `make serve` runs, writes weights for version 2 too, or serve would refuse it as missing."""
+    torch.save(resnet18_10, tmp_path / "mine.pt")
+    import_weights(repository, tmp_path / "mine.pt", variant="resnet18")
+    second = import_weights(repository, tmp_path / "mine.pt", variant="resnet18", version=2).weights
+    for weights in repository.glob("resnet/*/weights.pt"):
+        weights.unlink()
+    cli = [sys.executable, "-m", "{{ cookiecutter.package_name }}.cli", "weights", "random", "--model-repository"]
+    out = subprocess.run([*cli, str(repository)], check=True, capture_output=True, text=True, timeout=300).stdout
+    assert f"the other versions: {second}" in out
+    first = torch.load(resnet_weights(repository)[1], weights_only=True)
+    other = torch.load(second, weights_only=True)
+    assert first["fc.weight"].shape == other["fc.weight"].shape == (10, 512)
+    assert not torch.equal(first["fc.weight"], other["fc.weight"]), "each version its own seed"
+
+
 def test_default_labels_are_numbered(repository, resnet18_10, tmp_path):
     torch.save(resnet18_10, tmp_path / "mine.pt")
     import_weights(repository, tmp_path / "mine.pt", variant="resnet18")

@@ -498,6 +498,8 @@ def weights(args) -> int:
                 if labels is not None and len(labels) != classes:
                     labels = None
             done = w.install(args.model_repository, state, variant, labels)
+            if args.source == "random" and not args.imagenet:  # other versions (recipe 3) without weights: theirs
+                others = w.write_random_versions(args.model_repository, args.seed, only_missing=True)
     except w.WeightsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -505,6 +507,8 @@ def weights(args) -> int:
         what = f"imported {done.variant} weights from {args.path}"
     else:
         what = f"wrote {args.source} {done.variant} weights"
+    if args.source == "random" and not args.imagenet and others:
+        print(f"wrote random {done.variant} weights for the other versions: {', '.join(map(str, others))}")
     print(
         f"{what} ({done.classes} classes, top-{done.top_k}): {done.weights}, labels {done.labels}; "
         "(re)start `serve` to use them"

@@ -39,6 +39,24 @@ def write_random(variant: str, path: Path, seed: int = 0, num_classes: int = 100
     return _save(random_state(variant, seed, num_classes), path)
 
 
+def resnet_versions(repository: Path | str) -> list[int]:
+    """The resnet model's versions: its numbered directories that hold a model.py (recipe 3 adds a second)."""
+    resnet = Path(repository) / "resnet"
+    return sorted(int(p.parent.name) for p in resnet.glob("*/model.py") if p.parent.name.isdigit())
+
+
+def write_random_versions(repository: Path | str, seed: int = 0, only_missing: bool = False) -> list[Path]:
+    """Deterministic random weights (version v: seed + v - 1) for every resnet version, at the configured variant
+    and class count (the versions share the config); only_missing: only where there are none. The paths written."""
+    variant, weights = repo.resnet_weights(repository)
+    written = []
+    for version in resnet_versions(repository):
+        path = weights.parent.parent / str(version) / weights.name
+        if not (only_missing and path.is_file()):
+            written.append(write_random(variant, path, seed + version - 1, repo.num_classes(repository)))
+    return written
+
+
 def load_state_dict(path: Path | str) -> dict[str, torch.Tensor]:
     """A torchvision-style state dict from a state-dict file or a training checkpoint.
 
