@@ -178,3 +178,17 @@ def test_plan_prints_json_for_a_budget_without_a_gpu_or_a_server(repository):
     argv = [*CLI, "plan", "--model-repository", str(repository), "--gpu-memory", "2GiB", "--gpus", "1"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and done.stderr.startswith("error: GPU 0: needs about "), done.stderr
+
+
+def test_a_count_costs_every_loaded_version_as_recipe_3_keeps_two_resnets(repository):
+    """Recipe 3 keeps resnet versions 1 and 2 loaded (version_policy specific): each version has its own
+    instances, so a resnet count costs twice the memory, and the plan fits that."""
+    (before,) = sizing.plan(repository, gpus(16), shm_free=None)
+    shutil.copytree(repository / "resnet" / "1", repository / "resnet" / "2")
+    config = load_config(repository / "resnet")
+    config.version_policy.specific.versions[:] = [1, 2]
+    save_config(repository / "resnet", config)
+    (after,) = sizing.plan(repository, gpus(16), shm_free=None)
+    assert after.cost["resnet"] == 2 * before.cost["resnet"]
+    assert after.estimated_bytes + after.headroom_bytes <= after.budget_bytes
+    assert after.counts["resnet"] <= before.counts["resnet"]

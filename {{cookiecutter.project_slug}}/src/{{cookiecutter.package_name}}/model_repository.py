@@ -237,6 +237,19 @@ def instances_on_gpu(config: model_config_pb2.ModelConfig, gpu: int = 0) -> int:
     return sum(g.count or 1 for g in groups if g.kind != cpu and (not g.gpus or gpu in g.gpus))
 
 
+def loaded_versions(model_dir: Path | str, config: model_config_pb2.ModelConfig) -> int:
+    """How many versions of the model Triton loads, each with its own instances: its version_policy (the newest
+    one by default; recipe 3's `specific` pair loads two) over the version directories there are."""
+    present = {int(p.name) for p in Path(model_dir).iterdir() if p.is_dir() and p.name.isdigit()}
+    policy = config.version_policy.WhichOneof("policy_choice")
+    if policy == "all":
+        return max(1, len(present))
+    if policy == "specific":
+        return max(1, len(present & set(config.version_policy.specific.versions)))
+    newest = config.version_policy.latest.num_versions if policy == "latest" else 1
+    return max(1, min(newest or 1, len(present)))
+
+
 def load_configs(repository: Path | str) -> dict[str, model_config_pb2.ModelConfig]:
     """{model name: its config} for every model of the repository."""
     return {path.parent.name: load_config(path.parent) for path in Path(repository).glob("*/config.pbtxt")}

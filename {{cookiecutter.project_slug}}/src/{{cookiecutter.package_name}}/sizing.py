@@ -40,7 +40,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .model_repository import BLS_CALLS, bls_callers, instances_on_gpu, load_configs
+from .model_repository import BLS_CALLS, bls_callers, instances_on_gpu, load_configs, loaded_versions
 from .mps import MAX_CLIENTS
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -306,7 +306,9 @@ def plan(
     unknown = sorted(set(pinned) - set(ceiling))
     if unknown:
         raise ValueError(f"--instances names {', '.join(unknown)}: no such Python model in {repository}")
-    cost = {name: instance_bytes(name, configs, on_gpu) for name in ceiling}
+    # A count starts that many instances of every version the model loads (recipe 3 keeps two resnets loaded).
+    versions = {name: loaded_versions(Path(repository) / name, configs[name]) for name in ceiling}
+    cost = {name: instance_bytes(name, configs, on_gpu) * versions[name] for name in ceiling}
 
     def budget(device: Device) -> tuple[int, str]:
         if not on_gpu:
@@ -332,7 +334,7 @@ def plan(
         return sum(dev_shm_need(repository, gpus=len(devices) if on_gpu else 0, counts=counts))
 
     def clients(counts: dict[str, int]) -> int:
-        return sum(counts.values()) + 1 + reload_headroom(counts, cost)[1]
+        return sum(counts[m] * versions[m] for m in counts) + 1 + reload_headroom(counts, cost)[1]
 
     budgets = [budget(d) for d in devices]
     tightest = min(range(len(devices)), key=lambda i: budgets[i][0])
