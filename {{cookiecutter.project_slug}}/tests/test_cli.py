@@ -26,6 +26,7 @@ from {{ cookiecutter.package_name }}.health import orphaned_stubs, stub_processe
 from {{ cookiecutter.package_name }}.model_repository import (
     labels_path,
     load_config,
+    loaded_versions,
     python_models,
     set_parameter,
     top_k,
@@ -319,7 +320,9 @@ def test_serve_sizes_the_counts_to_this_machine_and_leaves_the_users_files_alone
         counts = {m: int(n) for m, n in (part.rsplit(" ", 1) for part in planned.group(2).split(", "))}
         assert set(counts) == set(python_models(repo)), "every Python-backend model, the user's own too"
         running = [m for m in stub_processes(tritonserver_of(process.pid)).values() if m is not None]
-        assert {m: running.count(m) for m in counts} == counts, "the server runs the stubs the plan chose"
+        versions = {m: loaded_versions(repo / m, load_config(repo / m)) for m in counts}  # recipe 3: two resnets
+        expected = {m: n * versions[m] for m, n in counts.items()}
+        assert {m: running.count(m) for m in counts} == expected, "the server runs the stubs the plan chose"
         if not visible_gpus() and (os.cpu_count() or 1) <= 3:
             assert counts == dict.fromkeys(counts, 1), "a small CPU host: one instance each"
         health = subprocess.run([*CLI, "health", "--url", url], env=env, capture_output=True, text=True, timeout=120)

@@ -33,7 +33,13 @@ from {{ cookiecutter.package_name }}.health import (
     restart,
     stub_processes,
 )
-from {{ cookiecutter.package_name }}.model_repository import bls_callers, load_config, set_instance_counts, set_parameter
+from {{ cookiecutter.package_name }}.model_repository import (
+    bls_callers,
+    load_config,
+    loaded_versions,
+    set_instance_counts,
+    set_parameter,
+)
 from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
 
 pytestmark = pytest.mark.e2e
@@ -89,13 +95,15 @@ def stub_counts(server: TritonServer) -> dict[str, int]:
 
 
 def configured_counts(server: TritonServer) -> dict[str, int]:
-    """The stubs each Python model of the server's repository should have (count x GPUs on a GPU)."""
+    """The stubs each Python model of the server's repository should have: count x GPUs on a GPU x the versions
+    it loads (recipe 3 keeps two resnets)."""
     per_device = max(1, len(server.settings.gpus))
     counts = {}
     for config_file in sorted(Path(server.settings.model_repository).glob("*/config.pbtxt")):
         config = load_config(config_file.parent)
         if config.backend == "python":
-            counts[config.name] = sum(g.count for g in config.instance_group) * per_device
+            versions = loaded_versions(config_file.parent, config)
+            counts[config.name] = sum(g.count for g in config.instance_group) * per_device * versions
     return counts
 
 
