@@ -397,8 +397,9 @@ def test_missing_weights_are_said_once_before_anything_loads(env, tmp_path):
     started = time.monotonic()
     done = subprocess.run([*argv, "--metrics-port", ports[2]], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and time.monotonic() - started < 10, done.stderr
+    missing = ", ".join(str(v.parent / "weights.pt") for v in sorted(repo.glob("resnet/*/model.py")))  # each version
     assert done.stderr == (
-        f"error: missing weights {repo / 'resnet' / '1' / 'weights.pt'}: run "
+        f"error: missing weights {missing}: run "
         "`{{ cookiecutter.project_slug }} weights random` (offline), "
         "`weights pretrained` (downloads torchvision's) or `weights import YOUR.pt`\n"
     )
