@@ -13,7 +13,13 @@ import pytest
 from conftest import PROJECT
 
 from {{ cookiecutter.package_name }} import sizing
-from {{ cookiecutter.package_name }}.model_repository import load_config, load_configs, save_config, set_instance_counts
+from {{ cookiecutter.package_name }}.model_repository import (
+    load_config,
+    load_configs,
+    loaded_versions,
+    save_config,
+    set_instance_counts,
+)
 from {{ cookiecutter.package_name }}.shm import dev_shm_need
 
 GiB, MiB = sizing.GiB, sizing.MiB
@@ -54,8 +60,11 @@ def test_more_memory_never_means_fewer_instances_and_a_whole_gpu_gets_the_config
     plans = [sizing.plan(repository, gpus(g), shm_free=None)[0].counts for g in (6, 8, 12, 16, 24, 32, 48, 80)]
     for smaller, larger in zip(plans, plans[1:]):
         assert all(larger[m] >= smaller[m] for m in smaller), (smaller, larger)
-    assert plans[-1] == ceiling(repository)
     (whole,) = sizing.plan(repository, gpus(80), shm_free=None)
+    if whole.limited_by == "limited by MPS's 48 clients":  # your repository: more models or versions than shipped
+        assert sum(whole.counts.values()) < sum(ceiling(repository).values())
+        return
+    assert plans[-1] == ceiling(repository)
     assert whole.overrides is None and "the configs' counts" in whole.line()
 
 
@@ -184,11 +193,14 @@ def test_a_count_costs_every_loaded_version_as_recipe_3_keeps_two_resnets(reposi
     """Recipe 3 keeps resnet versions 1 and 2 loaded (version_policy specific): each version has its own
     instances, so a resnet count costs twice the memory, and the plan fits that."""
     (before,) = sizing.plan(repository, gpus(16), shm_free=None)
-    shutil.copytree(repository / "resnet" / "1", repository / "resnet" / "2")
     config = load_config(repository / "resnet")
-    config.version_policy.specific.versions[:] = [1, 2]
+    loaded = loaded_versions(repository / "resnet", config)
+    versions = sorted(int(p.name) for p in (repository / "resnet").iterdir() if p.name.isdigit())
+    shutil.copytree(repository / "resnet" / str(versions[0]), repository / "resnet" / str(versions[-1] + 1))
+    config.ClearField("version_policy")
+    config.version_policy.specific.versions[:] = [*versions, versions[-1] + 1]
     save_config(repository / "resnet", config)
     (after,) = sizing.plan(repository, gpus(16), shm_free=None)
-    assert after.cost["resnet"] == 2 * before.cost["resnet"]
+    assert after.cost["resnet"] * loaded == before.cost["resnet"] * (len(versions) + 1)
     assert after.estimated_bytes + after.headroom_bytes <= after.budget_bytes
     assert after.counts["resnet"] <= before.counts["resnet"]

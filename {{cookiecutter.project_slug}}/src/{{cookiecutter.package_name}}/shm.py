@@ -24,7 +24,7 @@ import numpy as np
 from tritonclient.utils import InferenceServerException
 from tritonclient.utils import shared_memory as system_shm
 
-from .model_repository import BLS_CALLS, bytes_per_element, load_configs, tensor_datatype
+from .model_repository import BLS_CALLS, bytes_per_element, load_configs, loaded_versions, tensor_datatype
 from .mps import visible_gpus
 
 MiB = 1 << 20
@@ -94,6 +94,7 @@ def dev_shm_bytes(
                 stubs, on_gpu = stubs + count * (len(group.gpus) or gpus), True
             else:
                 stubs += count
+        stubs *= loaded_versions(Path(repository) / name, config)  # each loaded version has its own stubs
         held = per_image(config, on_gpu) + sum(
             per_image(configs[called], on_gpu) for called in BLS_CALLS.get(name, ()) if called in configs
         )
