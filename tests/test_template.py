@@ -549,20 +549,23 @@ def add_a_gate_model(project: Path, package: str) -> None:
 
 def test_a_project_made_yours_keeps_its_own_suite_green(tmp_path):
     """A user who follows docs/customizing.md in their own project keeps a green `make test`: recipe 1 with 3
-    classes and `--top-k 3` (a 3-class ResNet-18, their labels; the bake's top-5 cut to 3), recipe 2's gate, then a
-    fourth model added to the pipeline as the guide says. Then the baked project's whole CPU suite runs as the
-    user's: unit, end-to-end, reliability, shared memory, and the customizing recipes (which skip on the files
-    that are now the user's). Also the second option combination the whole suite runs for: fp16, max batch 4, no
-    ensemble. (Recipe 3's second resnet version is not applied here: the reliability tests count and kill stubs
-    per model, not per loaded version.)"""
+    classes and `--top-k 3` (a 3-class ResNet-18, their labels; the bake's top-5 cut to 3), recipe 2's gate,
+    recipe 3's routing (a second ResNet version, both loaded), then a fourth model added to the pipeline as the
+    guide says. Then the baked project's whole CPU suite runs as the user's: unit, end-to-end, reliability, shared
+    memory, and the customizing recipes (which skip on the files that are now the user's). Also the second option
+    combination the whole suite runs for: fp16, max batch 4, no ensemble."""
     project = bake(tmp_path, **MADE_YOURS, include_ensemble=False)
     labels = recipe_1(project, 3, "--top-k", "3")
     apply_guide_diffs(project, 2)
+    save_resnet18(project / "my_resnet18_v2.pt", 3, seed=8)
+    run_guide_commands(project, 3)
+    apply_guide_diffs(project, 3)
     add_a_gate_model(project, "image_classifier")
     repository = project / "model_repository"
     assert (repository / "resnet" / "labels.txt").read_text().splitlines() == labels
     assert [list(o.dims) for o in model_config(project, "resnet").output] == [[3]]
     assert [list(o.dims) for o in model_config(project, "pipeline").output] == [[3]] * 3
+    assert (repository / "resnet" / "2" / "weights.pt").is_file()
     assert passed(run_baked_tests(project, as_generated=False))
 
 
