@@ -82,16 +82,15 @@ def serve(args) -> int:
 def missing_weights(repository: Path) -> list[Path]:
     """The resnet versions whose weights file is not there: said once, before loading, instead of by every instance
     of every version after the other models have loaded."""
-    from .model_repository import ConfigError, resnet_weights
+    from .model_repository import ConfigError, resnet_weight_files
 
     if not (repository / "resnet" / "config.pbtxt").is_file():
         return []
     try:
-        _, weights = resnet_weights(repository)
+        files = resnet_weight_files(repository)
     except (ConfigError, KeyError):  # the plan names a config that does not parse
         return []
-    versions = [p for p in weights.parent.parent.iterdir() if p.name.isdigit() and (p / "model.py").is_file()]
-    return sorted(v / weights.name for v in versions if not (v / weights.name).is_file())
+    return sorted(path for path in files if not path.is_file())
 
 
 def gpu_memory(args):
@@ -477,7 +476,7 @@ def weights(args) -> int:
 
     from . import weights as w
 
-    variant = getattr(args, "variant", None)
+    variant, others = getattr(args, "variant", None), []
     try:
         if args.source == "import":
             done = w.import_weights(args.model_repository, args.path, args.labels, variant, args.top_k, args.version)
@@ -507,7 +506,7 @@ def weights(args) -> int:
         what = f"imported {done.variant} weights from {args.path}"
     else:
         what = f"wrote {args.source} {done.variant} weights"
-    if args.source == "random" and not args.imagenet and others:
+    if others:
         print(f"wrote random {done.variant} weights for the other versions: {', '.join(map(str, others))}")
     print(
         f"{what} ({done.classes} classes, top-{done.top_k}): {done.weights}, labels {done.labels}; "

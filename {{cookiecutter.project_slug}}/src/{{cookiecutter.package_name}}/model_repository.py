@@ -131,10 +131,11 @@ def save_config(model_dir: Path | str, config: model_config_pb2.ModelConfig) -> 
     old = load_config(model_dir)
     if old == config:
         return False
-    text = _edited(path.read_text(), old, config)
+    original = path.read_text()
+    text = _edited(original, old, config)
     if text is None or text_format.Parse(text, model_config_pb2.ModelConfig()) != config:
         header = []
-        for line in path.read_text().splitlines():
+        for line in original.splitlines():
             if not line.startswith("#"):
                 break
             header.append(line + "\n")
@@ -264,6 +265,15 @@ def resnet_weights(repository: Path | str) -> tuple[str, Path]:
     resnet = Path(repository) / "resnet"
     params = parameters(resnet)
     return params["variant"], resnet / "1" / params["weights_file"]
+
+
+def resnet_weight_files(repository: Path | str) -> list[Path]:
+    """The weights file of every resnet version (its numbered directories that hold a model.py; recipe 3 adds a
+    second), by version."""
+    _, weights = resnet_weights(repository)
+    model = weights.parent.parent
+    versions = sorted(int(p.parent.name) for p in model.glob("*/model.py") if p.parent.name.isdigit())
+    return [model / str(version) / weights.name for version in versions]
 
 
 def labels_path(repository: Path | str) -> Path:

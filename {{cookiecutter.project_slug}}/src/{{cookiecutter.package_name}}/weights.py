@@ -39,22 +39,15 @@ def write_random(variant: str, path: Path, seed: int = 0, num_classes: int = 100
     return _save(random_state(variant, seed, num_classes), path)
 
 
-def resnet_versions(repository: Path | str) -> list[int]:
-    """The resnet model's versions: its numbered directories that hold a model.py (recipe 3 adds a second)."""
-    resnet = Path(repository) / "resnet"
-    return sorted(int(p.parent.name) for p in resnet.glob("*/model.py") if p.parent.name.isdigit())
-
-
 def write_random_versions(repository: Path | str, seed: int = 0, only_missing: bool = False) -> list[Path]:
     """Deterministic random weights (version v: seed + v - 1) for every resnet version, at the configured variant
     and class count (the versions share the config); only_missing: only where there are none. The paths written."""
-    variant, weights = repo.resnet_weights(repository)
-    written = []
-    for version in resnet_versions(repository):
-        path = weights.parent.parent / str(version) / weights.name
-        if not (only_missing and path.is_file()):
-            written.append(write_random(variant, path, seed + version - 1, repo.num_classes(repository)))
-    return written
+    variant, classes = repo.resnet_weights(repository)[0], repo.num_classes(repository)
+    return [
+        write_random(variant, path, seed + int(path.parent.name) - 1, classes)
+        for path in repo.resnet_weight_files(repository)
+        if not (only_missing and path.is_file())
+    ]
 
 
 def load_state_dict(path: Path | str) -> dict[str, torch.Tensor]:
