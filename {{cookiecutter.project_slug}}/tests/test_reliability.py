@@ -620,11 +620,15 @@ def served_once_drained(url: str, model: str, limit_s: float = 300) -> str | Non
 
 
 ROBUST_MUTEX_HOLDER = """
-import ctypes, sys, time
+import ctypes, mmap, sys, time
 libc = ctypes.CDLL(None)
-attr, mutex = ctypes.create_string_buffer(64), ctypes.create_string_buffer(64)
+with open(sys.argv[1], "r+b") as file:
+    shared = mmap.mmap(file.fileno(), 64)
+mutex = ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(shared)))
+attr = ctypes.create_string_buffer(64)
 libc.pthread_mutexattr_init(attr)
 libc.pthread_mutexattr_setrobust(attr, 1)  # PTHREAD_MUTEX_ROBUST, as boost.interprocess makes every mutex
+libc.pthread_mutexattr_setpshared(attr, 1)  # PTHREAD_PROCESS_SHARED: the test reads its state after the kill
 libc.pthread_mutex_init(mutex, attr)
 print("ready", flush=True)
 seconds = float(sys.stdin.readline())
@@ -632,19 +636,28 @@ libc.pthread_mutex_lock(mutex)
 print("locked", flush=True)
 time.sleep(seconds)
 libc.pthread_mutex_unlock(mutex)
-print("unlocked", flush=True)
 time.sleep(60)
 """
+EOWNERDEAD = 130  # Linux: pthread_mutex_trylock on a robust mutex whose owner died holding it
 
 
 @pytest.mark.skipif(GET_ROBUST_LIST is None, reason="get_robust_list's syscall number is known for x86_64 and aarch64")
-def test_a_stub_is_killed_only_while_it_holds_no_robust_mutex():
+def test_a_stub_is_killed_only_while_it_holds_no_robust_mutex(tmp_path):
     """What the watchdog's kill of a replaced stub waits for (health.kill_outside_locks): a process that dies
     holding a robust mutex in python_backend's shared memory makes 2.51's server abort at its next lock. A process
-    that takes a robust mutex, holds it for a second and lets go stands in for a stub: stopped, it reads as
-    holding nothing, then as holding the lock; the kill comes only after the unlock."""
+    that takes a robust mutex in a shared file, holds it for 1.5 s and lets go stands in for a stub: stopped, it
+    reads as holding nothing, then as holding the lock. After the kill the mutex itself says whether its owner died
+    holding it (trylock's EOWNERDEAD) or had let go (trylock takes it)."""
+    import ctypes
+    import mmap
+
+    shared_file = tmp_path / "mutex"
+    shared_file.write_bytes(bytes(64))
     child = subprocess.Popen(
-        [sys.executable, "-c", ROBUST_MUTEX_HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", ROBUST_MUTEX_HOLDER, str(shared_file)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert child.stdout.readline() == "ready\n"
@@ -666,7 +679,14 @@ def test_a_stub_is_killed_only_while_it_holds_no_robust_mutex():
         assert kill_outside_locks(child.pid, attempts=500) is True
         waited = time.monotonic() - started
         assert child.wait(timeout=10) == -signal.SIGKILL
-        assert child.stdout.read() == "unlocked\n", "killed while it held the mutex"
+        with shared_file.open("r+b") as file:
+            shared = mmap.mmap(file.fileno(), 64)
+        mutex = ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(shared)))
+        libc = ctypes.CDLL(None)
+        taken = libc.pthread_mutex_trylock(mutex)
+        assert taken != EOWNERDEAD, "killed while it held the mutex"
+        assert taken == 0, f"pthread_mutex_trylock returned {taken}"
+        libc.pthread_mutex_unlock(mutex)
         print(f"killed {waited:.2f} s after the first attempt, once the mutex was released")
     finally:
         child.kill()
