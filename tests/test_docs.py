@@ -8,11 +8,15 @@ a default changed in its source and not in the docs fails here, naming the doc a
 from __future__ import annotations
 
 import glob
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import bake
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
@@ -334,3 +338,20 @@ DEFAULT_CHECKS = {
 @pytest.mark.parametrize("default", DEFAULT_CHECKS)
 def test_the_docs_state_each_default_as_its_source_has_it(default_project, default):
     assert DEFAULT_CHECKS[default](default_project, (ROOT / "README.md").read_text()) == []
+
+
+def test_the_readmes_sizing_example_is_what_serve_prints_for_it(tmp_path):
+    """The generated README shows serve's first line for an fp16 bake on a GPU with 16 GiB free: it is the line
+    sizing.plan gives those configs (a GPU it has not seen is costed as an H100)."""
+    project = bake(tmp_path, precision="fp16")
+    readme = (project / "README.md").read_text()
+    assert "(here an fp16 bake on a GPU with 16 GiB free)" in readme
+    (stated,) = re.findall(r"^instances: (GPU 0: 16\.0 GiB free -> .*)$", readme, re.M)
+    code = (
+        f"from {package_dir(project).name} import sizing as s; g = s.GiB; "
+        "print(s.plan('model_repository', [s.Device(0, 'GPU', 80 * g, 16 * g)], shm_free=None)[0].line())"
+    )
+    env = dict(os.environ, PYTHONPATH=str(project / "src"))
+    run = subprocess.run([sys.executable, "-c", code], cwd=project, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == stated

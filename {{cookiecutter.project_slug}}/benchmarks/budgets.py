@@ -1,6 +1,6 @@
 """Benchmark: `serve` with no flag on a GPU of which only a budget is free, as on a smaller card or a shared one.
 
-    python -m benchmarks.budgets [--budgets full 24 16 8] [--seconds 20] [--out DIR]
+    python -m benchmarks.budgets [--budgets full 24 16 8] [--seconds 20] [--out DIR] [--quick]
 
 For each budget (GiB; `full`: the whole GPU, the baseline) another process takes the rest of the GPU's memory, then
 `{{ cookiecutter.project_slug }} serve` starts exactly as a user would start it (its own sizing, no flag), and:
@@ -13,6 +13,10 @@ For each budget (GiB; `full`: the whole GPU, the baseline) another process takes
 - one image at a time (1 x 1) gives the p50 latency;
 - the log is searched for out-of-memory lines, and each process's GPU memory is read by model.
 Writes gpu-budgets.json (a row per budget) and gpu-budgets.md, after each budget.
+
+A budget written `16@10/3/2/1` serves those counts instead of serve's own (`--instances`, in the order `plan`
+prints the models): a comparison of counts at one budget. `--quick` runs the closed loop alone (no e2e tests, no
+reload, no one-image latency), to compare many counts within one device call.
 """
 
 from __future__ import annotations
@@ -109,9 +113,22 @@ def reload_pipeline(project: Path, url: str) -> float:
     return time.monotonic() - started
 
 
-def one_budget(budget: str, args, project: Path, work: Path) -> dict:
+def pinned_counts(spec: str, project: Path) -> list[str]:
+    """`10/3/2/1` -> ["pipeline=10", "preprocess=3", ...], in the order of the plan's models."""
+    from {{ cookiecutter.package_name }}.model_repository import load_configs
+    from {{ cookiecutter.package_name }}.sizing import ceilings
+
+    models = list(ceilings(load_configs(project / "model_repository"), 0))
+    counts = spec.split("/")
+    if len(counts) != len(models):
+        raise SystemExit(f"{spec}: give a count for each of {', '.join(models)}")
+    return [f"{m}={n}" for m, n in zip(models, counts)]
+
+
+def one_budget(spec: str, args, project: Path, work: Path) -> dict:
     from {{ cookiecutter.package_name }}.server import OUT_OF_MEMORY, free_port
 
+    budget, _, pinned = spec.partition("@")
     hog = None
     if budget != "full":
         hog = subprocess.Popen(
@@ -120,7 +137,7 @@ def one_budget(budget: str, args, project: Path, work: Path) -> dict:
         print(f"  {hog.stdout.readline().strip()} bytes elsewhere", flush=True)
     before = used_mib()
     ports = [free_port() for _ in range(3)]
-    log = work / f"tritonserver-{budget}.log"
+    log = work / f"tritonserver-{spec.replace('/', '-')}.log"
     argv = [
         sys.executable,
         "-m",
@@ -134,10 +151,11 @@ def one_budget(budget: str, args, project: Path, work: Path) -> dict:
         str(ports[2]),
         "--log-file",
         str(log),
+        *(["--instances", *pinned_counts(pinned, project)] if pinned else []),
     ]
     serve = subprocess.Popen(argv, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"localhost:{ports[1]}"
-    row = {"gpu": smi("gpu=name")[0][0], "budget_gib": budget, "counts": {}, "plan": ""}
+    row = {"gpu": smi("gpu=name")[0][0], "budget_gib": spec, "counts": {}, "plan": ""}
     lines = []
     peak = Peak()  # while the loops run (the tests' own reference would count too)
     try:
@@ -157,6 +175,12 @@ def one_budget(budget: str, args, project: Path, work: Path) -> dict:
             row["error"] = "\n".join(lines[-15:])
             return row
         threading.Thread(target=lambda: [None for _ in serve.stdout], daemon=True).start()  # keep the pipe drained
+        if args.quick:
+            peak.start()
+            best = run_point(url, "pipeline", sample_jpegs(16), 128, args.seconds)
+            row["img_s_best"], row["failed_requests"] = round(best["img_s"]), best["errors"]
+            row["per_process_mib"] = per_model_mib(_server_pid(serve.pid))
+            return row
         env = dict(os.environ, TRITON_GRPC_URL=url, MODEL_REPOSITORY=str(project / "model_repository"))
         junit = work / f"e2e-{budget}.xml"
         subprocess.run(
@@ -246,6 +270,7 @@ def main(argv=None) -> None:
     parser.add_argument("--budgets", nargs="+", default=["full", "24", "16", "8"])
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--quick", action="store_true", help="the closed loop alone at each budget")
     args = parser.parse_args(argv)
     project = Path(__file__).resolve().parents[1]
     work = Path(tempfile.mkdtemp(prefix="budgets-"))

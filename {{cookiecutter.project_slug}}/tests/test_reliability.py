@@ -25,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 from {{ cookiecutter.package_name }} import stub_deaths
 from {{ cookiecutter.package_name }}.health import (
     GET_ROBUST_LIST,
+    IDLE_S,
     REPLACED_GRACE_S,
     StubWatchdog,
     holds_robust_lock,
@@ -544,6 +545,48 @@ def test_dead_stubs_fail_their_requests_and_the_watchdog_heals_each_model(model_
         own_server.stop()
         print(f"stop after three stub crashes took {time.monotonic() - started:.1f} s")
     assert processes(own_server) == {} and shm_regions(own_server) == {}
+
+
+BUSY_THEN_IDLE = """
+import sys, time
+print("ready", flush=True)
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:  # a batch at work
+    pass
+print("idle", flush=True)
+time.sleep(60)  # between batches: waiting, as a stub waits on its queue
+"""
+
+
+def test_replaced_stubs_are_ended_once_idle_before_the_callers_reload():
+    """Before the watchdog reloads the BLS callers of a model, it ends that model's replaced stubs, each once it is
+    idle (health.StubWatchdog.end_replaced_once_idle): so a reload needs room for one model's new stubs at a time
+    (sizing.reload_headroom). Two processes stand in for the replaced stubs: one idle from the start is ended
+    within a second; one at work for 2 s is ended only after it stops, and not long after."""
+    watchdog = StubWatchdog("localhost:1", {}, server_pid=None, log=lambda line: None)
+    children = {
+        seconds: subprocess.Popen(
+            [sys.executable, "-c", BUSY_THEN_IDLE, str(seconds)], stdout=subprocess.PIPE, text=True
+        )
+        for seconds in (0, 2)
+    }
+    try:
+        for child in children.values():
+            assert child.stdout.readline() == "ready\n"
+            watchdog.models[child.pid] = "preprocess"
+            watchdog.replaced[child.pid] = time.monotonic()
+        started = time.monotonic()
+        ended = watchdog.end_replaced_once_idle(["preprocess"])
+        took = time.monotonic() - started
+        assert sorted(ended) == sorted(c.pid for c in children.values())
+        assert all(child.wait(timeout=10) == -signal.SIGKILL for child in children.values())
+        assert children[2].stdout.readline() == "idle\n", "ended while at work"
+        assert 2 - IDLE_S <= took < 2 + 4 * IDLE_S, took
+        assert watchdog.replaced == {}
+    finally:
+        for child in children.values():
+            child.kill()
+            child.wait()
 
 
 @local_server_only

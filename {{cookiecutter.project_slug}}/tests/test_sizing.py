@@ -56,6 +56,22 @@ def test_the_counts_fit_the_budget_with_a_reload_beside_them_and_stay_under_the_
     assert f"(~{plan.estimated_bytes / GiB:.1f} GiB, " in line
 
 
+def test_the_headroom_is_the_largest_single_reload_as_the_watchdog_reloads_a_stage_then_its_callers(repository):
+    """The watchdog reloads a stage whose stub died, and its BLS callers only once that stage's replaced stubs have
+    ended (health.Watchdog.reload): the headroom is the largest of those reloads alone, never a stage's and its
+    callers' together. At the configs' counts that is the pipeline's 16 new stubs (a hot reload)."""
+    counts = ceiling(repository)
+    cost = dict.fromkeys(counts, 100 * MiB) | {"preprocess": 1300 * MiB}
+    size, stubs, which = sizing.reload_headroom(counts, cost)
+    assert all(len(models) == 1 for models, _ in sizing.reload_sets(counts))
+    # preprocess: 5 new stubs beside the old (the dead one gone) cost more than the pipeline's 16
+    assert (which, stubs, size) == ("preprocess", counts["preprocess"] - 1, (counts["preprocess"] - 1) * 1300 * MiB)
+    # MPS clients: the most new stubs of any reload, here the pipeline's, whatever the bytes
+    assert sizing.reload_headroom(counts, dict.fromkeys(counts, 1))[1:] == (counts["pipeline"], "pipeline")
+    (plan,) = sizing.plan(repository, gpus(80), shm_free=None)
+    assert plan.mps_clients == sum(counts.values()) + 1 + counts["pipeline"]
+
+
 def test_more_memory_never_means_fewer_instances_and_a_whole_gpu_gets_the_configs_counts(repository):
     plans = [sizing.plan(repository, gpus(g), shm_free=None)[0].counts for g in (6, 8, 12, 16, 24, 32, 48, 80)]
     for smaller, larger in zip(plans, plans[1:]):

@@ -39,6 +39,9 @@ DEAD_STUB = re.compile(r"Stub process '(?P<model>.+?)_\d+_\d+' is not healthy")
 # How long the stubs of a replaced version may outlive the reload that replaced them: longer than the pipeline's
 # BLS timeout (30 s), so that a request an old instance still holds gets its own answer or error first.
 REPLACED_GRACE_S = 40
+# A replaced stub that used at most IDLE_TICKS clock ticks of CPU (1/100 s each on Linux) in IDLE_S is idle: a stub
+# at work spins on its GPU stream or computes on the CPU, one between batches waits on a futex.
+IDLE_S, IDLE_TICKS = 0.5, 2
 STUB_COMMAND = "triton_python_b"  # the kernel's 15-character name of triton_python_backend_stub
 
 
@@ -162,6 +165,15 @@ def _stopped(pid: int, timeout_s: float) -> bool:
     return False
 
 
+def cpu_ticks(pid: int) -> int | None:
+    """The CPU time `pid` has used (user and system, in clock ticks), None once it has exited (or is a zombie)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in "ZX" else int(fields[11]) + int(fields[12])
+
+
 def kill_outside_locks(pid: int, attempts: int = 100, pause_s: float = 0.01) -> bool:
     """SIGKILL a stub at a moment when none of its threads holds a robust mutex.
 
@@ -253,7 +265,9 @@ class StubWatchdog(threading.Thread):
         that waited on the dead stub has given up meanwhile (stub_deaths). The callers follow because on a GPU
         2.51 never answers such a call, so each caller instance keeps a thread waiting on it for good; their
         reload comes second so that it does not slow the first (on an H200 under MPS, resnet's two stubs reloaded
-        beside the pipeline's sixteen reached their own setup only once the pipeline had loaded: 32 s in all)."""
+        beside the pipeline's sixteen reached their own setup only once the pipeline had loaded: 32 s in all), and
+        once the replaced stubs of `models` have ended, so that one reload's new stubs at a time need room beside
+        what runs (the headroom `serve` sizes the counts with, sizing.reload_headroom)."""
         callers = bls_callers(models)
         also = f", then its callers {', '.join(callers)}" if callers else ""
         for model in models:
@@ -262,6 +276,7 @@ class StubWatchdog(threading.Thread):
             self.end_replaced(at_once=True)  # room for the new stubs
             self.replace(models)
             if callers:
+                self.end_replaced_once_idle(models)
                 self.replace(callers, " (calling the reloaded)")
         return models
 
@@ -318,6 +333,30 @@ class StubWatchdog(threading.Thread):
                 f"watchdog: ended {len(ended)} stubs of replaced versions of {', '.join(names)} still alive after "
                 "their reload (2.51 does not finish unloading a version with a request on a dead stub)"
             )
+        return ended
+
+    def end_replaced_once_idle(self, models: list[str]) -> list[int]:
+        """SIGKILL the live stubs of replaced versions of `models`, each once it is idle (it used no CPU time for
+        IDLE_S: its last batch is done, and the new version takes every new one) and at the latest
+        `replaced_grace_s` after now, each while it holds no lock (`kill_outside_locks`). Returns their PIDs."""
+        pending = {pid for pid in self.replaced if self.models.get(pid) in models}
+        deadline, ended = time.monotonic() + self.replaced_grace_s, []
+        last = {pid: cpu_ticks(pid) for pid in pending}
+        while pending:
+            time.sleep(IDLE_S)
+            for pid in sorted(pending):
+                ticks = cpu_ticks(pid)
+                if ticks is not None and ticks - last[pid] > IDLE_TICKS and time.monotonic() < deadline:
+                    last[pid] = ticks
+                    continue
+                pending.discard(pid)
+                self.replaced.pop(pid, None)
+                if ticks is not None:  # None: it has ended (its version unloaded), and the server reaps it
+                    kill_outside_locks(pid)
+                    self.reaped.add(pid)
+                    ended.append(pid)
+        if ended:
+            self.log(f"watchdog: ended {len(ended)} replaced stubs of {', '.join(models)} once idle")
         return ended
 
     def check(self, probe_too: bool = True) -> list[str]:

@@ -14,8 +14,9 @@ counts first (`plan()`), from what it finds:
   `OTHER_STAGE_BYTES`, or what its config's `instance_gpu_memory` parameter says ("1.5GiB");
 - tritonserver itself: its context and the CUDA memory pool, which follows the counts (server.cuda_pool_bytes);
 - headroom for a reload (`reload_headroom`): a reload starts the new stubs before the old ones go, so the largest
-  of the pipeline's hot reload and the watchdog's reload of a model whose stub died (that model and the BLS models
-  calling it; the dead stub's memory is already free) must fit beside what runs;
+  of the pipeline's hot reload and the watchdog's reload of a model whose stub died (the dead stub's memory is
+  already free) must fit beside what runs. The watchdog then reloads the BLS models calling it, but only once that
+  model's replaced stubs have ended (health.Watchdog.reload), so that reload is a caller's hot reload;
 - CUDA MPS's 48 clients per GPU (the stubs, tritonserver and that reload's new stubs), and /dev/shm (each stub's
   region as it grows, shm.dev_shm_bytes, the reload's too).
 
@@ -40,7 +41,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .model_repository import BLS_CALLS, bls_callers, instances_on_gpu, load_configs, loaded_versions
+from .model_repository import BLS_CALLS, instances_on_gpu, load_configs, loaded_versions
 from .mps import MAX_CLIENTS
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -219,11 +220,10 @@ def ceilings(configs: dict, gpu: int | None) -> dict[str, int]:
 
 
 def reload_sets(counts: dict[str, int]) -> list[tuple[list[str], int]]:
-    """(models, new stubs minus the dead one) for each reload the watchdog can make, and the pipeline's hot reload."""
-    sets = []
-    for name in counts:
-        models = [name, *(c for c in bls_callers([name]) if c in counts)]
-        sets.append((models, -1))  # the dead stub's process is gone
+    """(models, new stubs minus the dead one) for each reload whose new stubs start beside the running ones: the
+    watchdog's of a model whose stub died, and a BLS model's hot reload (the pipeline's by `reload`, or the
+    watchdog's of a caller, which waits for the called model's replaced stubs to end)."""
+    sets = [([name], -1) for name in counts]  # the dead stub's process is gone
     for caller in BLS_CALLS:
         if caller in counts:
             sets.append(([caller], 0))  # a hot reload: every old stub still runs
@@ -252,6 +252,7 @@ class DevicePlan:
     ceiling: dict[str, int] = field(default_factory=dict)  # the configs' counts
     limited_by: str = ""
     cap: str = ""  # how the budget was set: "free", "--gpu-memory 16GiB"
+    mps_clients: int = 0  # the most these counts take on the GPU: stubs, tritonserver, the largest reload's new stubs
 
     @property
     def overrides(self) -> dict[str, int] | None:
@@ -283,6 +284,7 @@ class DevicePlan:
             "headroom_bytes": self.headroom_bytes,
             "instance_bytes": self.cost,
             "limited_by": self.limited_by,
+            "mps_clients": self.mps_clients,
         }
 
 
@@ -333,8 +335,8 @@ def plan(
     def shm_need(counts: dict[str, int]) -> int:  # every GPU's stubs share the one /dev/shm
         return sum(dev_shm_need(repository, gpus=len(devices) if on_gpu else 0, counts=counts))
 
-    def clients(counts: dict[str, int]) -> int:
-        return sum(counts[m] * versions[m] for m in counts) + 1 + reload_headroom(counts, cost)[1]
+    def clients(counts: dict[str, int]) -> int:  # the reload with the most new stubs, whatever their bytes
+        return sum(counts[m] * versions[m] for m in counts) + 1 + reload_headroom(counts, versions)[1]
 
     budgets = [budget(d) for d in devices]
     tightest = min(range(len(devices)), key=lambda i: budgets[i][0])
@@ -400,8 +402,9 @@ def plan(
     if pinned:
         limited_by += "; pinned: " + ", ".join(f"{m}={n}" for m, n in pinned.items())
     used, headroom = need(counts)
+    mps_clients = clients(counts) if on_gpu else 0
     return [
-        DevicePlan(d, b, dict(counts), used, headroom, cost, dict(ceiling), limited_by, how)
+        DevicePlan(d, b, dict(counts), used, headroom, cost, dict(ceiling), limited_by, how, mps_clients)
         for d, (b, how) in zip(devices, budgets)
     ]
 
