@@ -583,6 +583,15 @@ def test_replaced_stubs_are_ended_once_idle_before_the_callers_reload():
         assert children[2].stdout.readline() == "idle\n", "ended while at work"
         assert 2 - IDLE_S <= took < 2 + 4 * IDLE_S, took
         assert watchdog.replaced == {}
+        # a model that makes BLS calls waits idle on their answers: its replaced stubs get the whole grace
+        waiting = subprocess.Popen([sys.executable, "-c", BUSY_THEN_IDLE, "0"], stdout=subprocess.PIPE, text=True)
+        children["caller"] = waiting
+        assert waiting.stdout.readline() == "ready\n"
+        watchdog.models[waiting.pid], watchdog.replaced[waiting.pid] = "pipeline", time.monotonic()
+        watchdog.replaced_grace_s = 2
+        started = time.monotonic()
+        assert watchdog.end_replaced_once_idle(["pipeline"]) == [waiting.pid]
+        assert time.monotonic() - started >= 2
     finally:
         for child in children.values():
             child.kill()

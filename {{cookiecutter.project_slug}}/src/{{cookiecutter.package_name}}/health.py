@@ -32,7 +32,7 @@ import tritonclient.grpc as grpcclient
 from PIL import Image
 
 from . import stub_deaths
-from .model_repository import bls_callers
+from .model_repository import BLS_CALLS, bls_callers
 from .shm import remove_stale_regions
 
 DEAD_STUB = re.compile(r"Stub process '(?P<model>.+?)_\d+_\d+' is not healthy")
@@ -338,15 +338,17 @@ class StubWatchdog(threading.Thread):
     def end_replaced_once_idle(self, models: list[str]) -> list[int]:
         """SIGKILL the live stubs of replaced versions of `models`, each once it is idle (it used no CPU time for
         IDLE_S: its last batch is done, and the new version takes every new one) and at the latest
-        `replaced_grace_s` after now, each while it holds no lock (`kill_outside_locks`). Returns their PIDs."""
+        `replaced_grace_s` after now, each while it holds no lock (`kill_outside_locks`). A model that makes BLS
+        calls itself waits idle on their answers: its stubs are ended at the grace only. Returns their PIDs."""
         pending = {pid for pid in self.replaced if self.models.get(pid) in models}
         deadline, ended = time.monotonic() + self.replaced_grace_s, []
         last = {pid: cpu_ticks(pid) for pid in pending}
         while pending:
             time.sleep(IDLE_S)
             for pid in sorted(pending):
-                ticks = cpu_ticks(pid)
-                if ticks is not None and ticks - last[pid] > IDLE_TICKS and time.monotonic() < deadline:
+                ticks, before = cpu_ticks(pid), last.get(pid)
+                idle = before is not None and ticks is not None and ticks - before <= IDLE_TICKS
+                if ticks is not None and time.monotonic() < deadline and (not idle or self.models[pid] in BLS_CALLS):
                     last[pid] = ticks
                     continue
                 pending.discard(pid)
