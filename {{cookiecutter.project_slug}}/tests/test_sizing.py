@@ -14,6 +14,7 @@ from conftest import PROJECT
 
 from {{ cookiecutter.package_name }} import sizing
 from {{ cookiecutter.package_name }}.model_repository import (
+    BLS_CALLS,
     load_config,
     load_configs,
     loaded_versions,
@@ -58,18 +59,23 @@ def test_the_counts_fit_the_budget_with_a_reload_beside_them_and_stay_under_the_
 
 def test_the_headroom_is_the_largest_single_reload_as_the_watchdog_reloads_a_stage_then_its_callers(repository):
     """The watchdog reloads a stage whose stub died, and its BLS callers only once that stage's replaced stubs have
-    ended (health.Watchdog.reload): the headroom is the largest of those reloads alone, never a stage's and its
-    callers' together. At the configs' counts that is the pipeline's 16 new stubs (a hot reload)."""
+    ended (health.Watchdog.reload): the headroom is the largest of those reloads alone (a stage's new stubs less the
+    dead one, or a caller's new stubs beside all its old ones), never a stage's and its callers' together."""
     counts = ceiling(repository)
-    cost = dict.fromkeys(counts, 100 * MiB) | {"preprocess": 1300 * MiB}
+    cost = {m: (k + 1) * 100 * MiB for k, m in enumerate(counts)}
     size, stubs, which = sizing.reload_headroom(counts, cost)
-    assert all(len(models) == 1 for models, _ in sizing.reload_sets(counts))
-    # preprocess: 5 new stubs beside the old (the dead one gone) cost more than the pipeline's 16
-    assert (which, stubs, size) == ("preprocess", counts["preprocess"] - 1, (counts["preprocess"] - 1) * 1300 * MiB)
-    # MPS clients: the most new stubs of any reload, here the pipeline's, whatever the bytes
-    assert sizing.reload_headroom(counts, dict.fromkeys(counts, 1))[1:] == (counts["pipeline"], "pipeline")
+    alone = {m: (counts[m] - 1) * cost[m] for m in counts} | {c: counts[c] * cost[c] for c in BLS_CALLS if c in counts}
+    assert size == max(alone.values()) and alone[which] == size
+    assert stubs == counts[which] - (which not in BLS_CALLS)
+    for caller, called in BLS_CALLS.items():
+        for stage in (m for m in called if m in counts and caller in counts and counts[m] > 1):
+            assert size < (counts[stage] - 1) * cost[stage] + counts[caller] * cost[caller]
+    # MPS clients: the stubs of every loaded version, tritonserver, and the reload with the most new stubs
     (plan,) = sizing.plan(repository, gpus(80), shm_free=None)
-    assert plan.mps_clients == sum(counts.values()) + 1 + counts["pipeline"]
+    configs = load_configs(repository)
+    running = sum(n * loaded_versions(repository / m, configs[m]) for m, n in plan.counts.items())
+    most = max([n - 1 for n in plan.counts.values()] + [plan.counts[c] for c in BLS_CALLS if c in plan.counts])
+    assert plan.mps_clients == running + 1 + most
 
 
 def test_more_memory_never_means_fewer_instances_and_a_whole_gpu_gets_the_configs_counts(repository):
