@@ -59,7 +59,7 @@ def test_the_counts_fit_the_budget_with_a_reload_beside_them_and_stay_under_the_
 
 def test_the_headroom_is_the_largest_single_reload_as_the_watchdog_reloads_a_stage_then_its_callers(repository):
     """The watchdog reloads a stage whose stub died, and its BLS callers only once that stage's replaced stubs have
-    ended (health.Watchdog.reload): the headroom is the largest of those reloads alone (a stage's new stubs less the
+    ended (health.StubWatchdog.reload): the headroom is the largest of those reloads alone (a stage's new stubs less the
     dead one, or a caller's new stubs beside all its old ones), never a stage's and its callers' together."""
     counts = ceiling(repository)
     cost = {m: (k + 1) * 100 * MiB for k, m in enumerate(counts)}

@@ -16,7 +16,7 @@ counts first (`plan()`), from what it finds:
 - headroom for a reload (`reload_headroom`): a reload starts the new stubs before the old ones go, so the largest
   of the pipeline's hot reload and the watchdog's reload of a model whose stub died (the dead stub's memory is
   already free) must fit beside what runs. The watchdog then reloads the BLS models calling it, but only once that
-  model's replaced stubs have ended (health.Watchdog.reload), so that reload is a caller's hot reload;
+  model's replaced stubs have ended (health.StubWatchdog.reload), so that reload is a caller's hot reload;
 - CUDA MPS's 48 clients per GPU (the stubs, tritonserver and that reload's new stubs), and /dev/shm (each stub's
   region as it grows, shm.dev_shm_bytes, the reload's too).
 
