@@ -246,7 +246,7 @@ def stage_setting_problems(project: Path, root_readme: str) -> list[str]:
 
 def shm_problems(project: Path) -> list[str]:
     compose = yaml.safe_load((project / "docker-compose.yml").read_text())
-    shm_size = compose["services"]["triton"]["shm_size"]  # ${TRITON_SHM_SIZE:-6gb}
+    shm_size = compose["services"]["triton"]["shm_size"]  # ${TRITON_SHM_SIZE:-5gb}
     gib = int(re.fullmatch(r"\$\{TRITON_SHM_SIZE:-(\d+)gb\}", shm_size).group(1))
     deployment = (project / "deploy" / "kubernetes" / "base" / "deployment.yaml").read_text()
     (limit,) = re.findall(r"sizeLimit: (\d+)Gi", deployment)

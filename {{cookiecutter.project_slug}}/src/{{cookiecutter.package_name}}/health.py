@@ -39,9 +39,10 @@ DEAD_STUB = re.compile(r"Stub process '(?P<model>.+?)_\d+_\d+' is not healthy")
 # How long the stubs of a replaced version may outlive the reload that replaced them: longer than the pipeline's
 # BLS timeout (30 s), so that a request an old instance still holds gets its own answer or error first.
 REPLACED_GRACE_S = 40
-# A replaced stub that used at most IDLE_TICKS clock ticks of CPU (1/100 s each on Linux) in IDLE_S is idle: a stub
-# at work spins on its GPU stream or computes on the CPU, one between batches waits on a futex.
-IDLE_S, IDLE_TICKS = 0.5, 2
+# A replaced stub that used at most IDLE_TICKS clock ticks of CPU (1/100 s each on Linux) in each of IDLE_SAMPLES
+# spans of IDLE_S is idle: a stub at work spins on its GPU stream or computes on the CPU, one between batches waits
+# on a futex.
+IDLE_S, IDLE_TICKS, IDLE_SAMPLES = 0.5, 2, 2
 STUB_COMMAND = "triton_python_b"  # the kernel's 15-character name of triton_python_backend_stub
 
 
@@ -165,13 +166,14 @@ def _stopped(pid: int, timeout_s: float) -> bool:
     return False
 
 
-def cpu_ticks(pid: int) -> int | None:
-    """The CPU time `pid` has used (user and system, in clock ticks), None once it has exited (or is a zombie)."""
+def cpu_ticks(pid: int) -> tuple[int, int] | None:
+    """(when `pid` started, the CPU time it has used: user and system), in clock ticks; None once it has exited
+    (or is a zombie). The start tells a process from a later one given the same PID."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return None if fields[0] in "ZX" else int(fields[11]) + int(fields[12])
+    return None if fields[0] in "ZX" else (int(fields[19]), int(fields[11]) + int(fields[12]))
 
 
 def kill_outside_locks(pid: int, attempts: int = 100, pause_s: float = 0.01) -> bool:
@@ -190,10 +192,12 @@ def kill_outside_locks(pid: int, attempts: int = 100, pause_s: float = 0.01) -> 
         held = holds_robust_lock(pid) if _stopped(pid, 0.5) else True
         if held is None:
             break
-        if not held:
-            os.kill(pid, signal.SIGKILL)
+        try:
+            os.kill(pid, signal.SIGKILL if not held else signal.SIGCONT)
+        except ProcessLookupError:  # it ended meanwhile (its version unloaded)
             return True
-        os.kill(pid, signal.SIGCONT)
+        if not held:
+            return True
         time.sleep(pause_s)
     try:
         os.kill(pid, signal.SIGKILL)
@@ -267,7 +271,8 @@ class StubWatchdog(threading.Thread):
         reload comes second so that it does not slow the first (on an H200 under MPS, resnet's two stubs reloaded
         beside the pipeline's sixteen reached their own setup only once the pipeline had loaded: 32 s in all), and
         once the replaced stubs of `models` have ended, so that one reload's new stubs at a time need room beside
-        what runs (the headroom `serve` sizes the counts with, sizing.reload_headroom)."""
+        what runs (the headroom `serve` sizes the counts with, sizing.reload_headroom). Two models reloaded at once
+        (their stubs died within the same second) start their new stubs together."""
         callers = bls_callers(models)
         also = f", then its callers {', '.join(callers)}" if callers else ""
         for model in models:
@@ -276,8 +281,11 @@ class StubWatchdog(threading.Thread):
             self.end_replaced(at_once=True)  # room for the new stubs
             self.replace(models)
             if callers:
-                self.end_replaced_once_idle(models)
-                self.replace(callers, " (calling the reloaded)")
+                try:
+                    self.end_replaced_once_idle(models)
+                finally:  # the callers' instances wait on the dead stub for good until they are reloaded
+                    if not self.stopped.is_set():
+                        self.replace(callers, " (calling the reloaded)")
         return models
 
     def replace(self, names: list[str], what: str = "") -> None:
@@ -339,21 +347,25 @@ class StubWatchdog(threading.Thread):
         """SIGKILL the live stubs of replaced versions of `models`, each once it is idle (it used no CPU time for
         IDLE_S: its last batch is done, and the new version takes every new one) and at the latest
         `replaced_grace_s` after now, each while it holds no lock (`kill_outside_locks`). A model that makes BLS
-        calls itself waits idle on their answers: its stubs are ended at the grace only. Returns their PIDs."""
+        calls itself waits idle on their answers: its stubs are ended at the grace only. The watchdog neither scans
+        nor probes meanwhile (a second or so on a GPU, where a batch takes milliseconds). Returns their PIDs."""
         pending = {pid for pid in self.replaced if self.models.get(pid) in models}
         deadline, ended = time.monotonic() + self.replaced_grace_s, []
-        last = {pid: cpu_ticks(pid) for pid in pending}
-        while pending:
-            time.sleep(IDLE_S)
+        first = {pid: cpu_ticks(pid) for pid in pending}
+        last, idle_for = {pid: t[1] for pid, t in first.items() if t}, dict.fromkeys(pending, 0)
+        while pending and not self.stopped.wait(IDLE_S):
             for pid in sorted(pending):
-                ticks, before = cpu_ticks(pid), last.get(pid)
-                idle = before is not None and ticks is not None and ticks - before <= IDLE_TICKS
-                if ticks is not None and time.monotonic() < deadline and (not idle or self.models[pid] in BLS_CALLS):
-                    last[pid] = ticks
+                now = cpu_ticks(pid)
+                if now is not None and (first[pid] is None or now[0] != first[pid][0]):
+                    now = None  # not the stub seen before: that one has ended, and its PID is another process's
+                idle_for[pid] = idle_for[pid] + 1 if now and pid in last and now[1] - last[pid] <= IDLE_TICKS else 0
+                ready = idle_for[pid] >= IDLE_SAMPLES and self.models[pid] not in BLS_CALLS
+                if now is not None and time.monotonic() < deadline and not ready:
+                    last[pid] = now[1]
                     continue
                 pending.discard(pid)
                 self.replaced.pop(pid, None)
-                if ticks is not None:  # None: it has ended (its version unloaded), and the server reaps it
+                if now is not None:  # None: it has ended (its version unloaded), and the server reaps it
                     kill_outside_locks(pid)
                     self.reaped.add(pid)
                     ended.append(pid)

@@ -17,8 +17,8 @@ counts first (`plan()`), from what it finds:
   of the pipeline's hot reload and the watchdog's reload of a model whose stub died (the dead stub's memory is
   already free) must fit beside what runs. The watchdog then reloads the BLS models calling it, but only once that
   model's replaced stubs have ended (health.StubWatchdog.reload), so that reload is a caller's hot reload;
-- CUDA MPS's 48 clients per GPU (the stubs, tritonserver and that reload's new stubs), and /dev/shm (each stub's
-  region as it grows, shm.dev_shm_bytes, the reload's too).
+- CUDA MPS's 48 clients per GPU (the stubs, tritonserver and the new stubs of the reload that starts the most),
+  and /dev/shm (each stub's region as it grows, shm.dev_shm_bytes, the largest reload's too).
 
 The counts are the configs' scaled by one factor, rounded, at least one of each (a count you pinned with
 `--instances MODEL=N` or $TRITON_INSTANCES is kept as given): the largest factor at which everything above fits.
@@ -310,7 +310,11 @@ def plan(
         raise ValueError(f"--instances names {', '.join(unknown)}: no such Python model in {repository}")
     # A count starts that many instances of every version the model loads (recipe 3 keeps two resnets loaded).
     versions = {name: loaded_versions(Path(repository) / name, configs[name]) for name in ceiling}
-    cost = {name: instance_bytes(name, configs, on_gpu) * versions[name] for name in ceiling}
+    stub_cost = {name: instance_bytes(name, configs, on_gpu) for name in ceiling}
+    cost = {name: stub_cost[name] * versions[name] for name in ceiling}  # per count: its stub on every version
+
+    def stubs(counts: dict[str, int]) -> dict[str, int]:
+        return {m: counts[m] * versions[m] for m in counts}
 
     def budget(device: Device) -> tuple[int, str]:
         if not on_gpu:
@@ -330,13 +334,13 @@ def plan(
         return SERVER_BYTES + cuda_pool_bytes(repository, 0, counts=counts)
 
     def need(counts: dict[str, int]) -> tuple[int, int]:
-        return fixed(counts) + sum(counts[m] * cost[m] for m in counts), reload_headroom(counts, cost)[0]
+        return fixed(counts) + sum(counts[m] * cost[m] for m in counts), reload_headroom(stubs(counts), stub_cost)[0]
 
     def shm_need(counts: dict[str, int]) -> int:  # every GPU's stubs share the one /dev/shm
         return sum(dev_shm_need(repository, gpus=len(devices) if on_gpu else 0, counts=counts))
 
     def clients(counts: dict[str, int]) -> int:  # the reload with the most new stubs, whatever their bytes
-        return sum(counts[m] * versions[m] for m in counts) + 1 + reload_headroom(counts, versions)[1]
+        return sum(stubs(counts).values()) + 1 + reload_headroom(stubs(counts), dict.fromkeys(counts, 1))[1]
 
     budgets = [budget(d) for d in devices]
     tightest = min(range(len(devices)), key=lambda i: budgets[i][0])
