@@ -331,10 +331,7 @@ class StubWatchdog(threading.Thread):
             if pid not in alive:
                 self.replaced.pop(pid, None)  # its version unloaded (or it died): the server reaps it
             elif at_once or now - since >= self.replaced_grace_s:
-                kill_outside_locks(pid)
-                self.reaped.add(pid)
-                self.replaced.pop(pid, None)
-                ended.append(pid)
+                ended.append(self.end_stub(pid))
         if ended:
             names = sorted({self.models.get(pid, "?") for pid in ended})
             self.log(
@@ -342,6 +339,14 @@ class StubWatchdog(threading.Thread):
                 "their reload (2.51 does not finish unloading a version with a request on a dead stub)"
             )
         return ended
+
+    def end_stub(self, pid: int) -> int:
+        """SIGKILL the replaced stub `pid` while it holds no lock (`kill_outside_locks`), as one the watchdog ended,
+        not a death to reload for. Returns the PID."""
+        kill_outside_locks(pid)
+        self.reaped.add(pid)
+        self.replaced.pop(pid, None)
+        return pid
 
     def end_replaced_once_idle(self, models: list[str]) -> list[int]:
         """SIGKILL the live stubs of replaced versions of `models`, each once it is idle (it used no CPU time for
@@ -351,24 +356,21 @@ class StubWatchdog(threading.Thread):
         nor probes meanwhile (a second or so on a GPU, where a batch takes milliseconds). Returns their PIDs."""
         pending = {pid for pid in self.replaced if self.models.get(pid) in models}
         deadline, ended = time.monotonic() + self.replaced_grace_s, []
-        first = {pid: cpu_ticks(pid) for pid in pending}
-        last, idle_for = {pid: t[1] for pid, t in first.items() if t}, dict.fromkeys(pending, 0)
+        seen, idle_for = {pid: cpu_ticks(pid) for pid in pending}, dict.fromkeys(pending, 0)
         while pending and not self.stopped.wait(IDLE_S):
             for pid in sorted(pending):
-                now = cpu_ticks(pid)
-                if now is not None and (first[pid] is None or now[0] != first[pid][0]):
-                    now = None  # not the stub seen before: that one has ended, and its PID is another process's
-                idle_for[pid] = idle_for[pid] + 1 if now and pid in last and now[1] - last[pid] <= IDLE_TICKS else 0
-                ready = idle_for[pid] >= IDLE_SAMPLES and self.models[pid] not in BLS_CALLS
-                if now is not None and time.monotonic() < deadline and not ready:
-                    last[pid] = now[1]
+                before, now = seen[pid], cpu_ticks(pid)
+                if now is None or before is None or now[0] != before[0]:  # it has ended (its version unloaded;
+                    pending.discard(pid)  # the server reaps it), and its PID may be another process's by now
+                    self.replaced.pop(pid, None)
                     continue
-                pending.discard(pid)
-                self.replaced.pop(pid, None)
-                if now is not None:  # None: it has ended (its version unloaded), and the server reaps it
-                    kill_outside_locks(pid)
-                    self.reaped.add(pid)
-                    ended.append(pid)
+                idle_for[pid] = idle_for[pid] + 1 if now[1] - before[1] <= IDLE_TICKS else 0
+                seen[pid] = now
+                if time.monotonic() >= deadline or (
+                    idle_for[pid] >= IDLE_SAMPLES and self.models[pid] not in BLS_CALLS
+                ):
+                    pending.discard(pid)
+                    ended.append(self.end_stub(pid))
         if ended:
             self.log(f"watchdog: ended {len(ended)} replaced stubs of {', '.join(models)} once idle")
         return ended

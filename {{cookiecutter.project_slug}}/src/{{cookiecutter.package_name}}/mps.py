@@ -347,17 +347,17 @@ def start(gpus: list[int], enabled: bool = True) -> tuple[MpsDaemon | None, str]
 
 def clients_needed(repository: Path | str, gpu: int = 0) -> tuple[int, str]:
     """The most MPS clients the repository's server takes on GPU `gpu`, and when: its stubs there, tritonserver,
-    and the largest reload's new stubs (sizing.reload_headroom, the rule `serve` sizes the counts by)."""
+    and the new stubs of the reload that starts the most (sizing.mps_clients, the rule `serve` sizes the counts by)."""
     from .model_repository import instances_on_gpu, load_configs, loaded_versions
-    from .sizing import reload_headroom
+    from .sizing import mps_clients
 
     configs = load_configs(repository)
     counts = {name: instances_on_gpu(config, gpu) for name, config in configs.items()}
     # every loaded version has its own stubs (recipe 3 keeps two resnets)
-    counts = {name: n * loaded_versions(Path(repository) / name, configs[name]) for name, n in counts.items() if n}
-    _, reload, models = reload_headroom(counts, dict.fromkeys(counts, 1))
-    stubs = sum(counts.values())
-    return stubs + 1 + reload, f"{stubs} stubs and tritonserver, then a reload of {models} ({reload} new stubs)"
+    stubs = {name: n * loaded_versions(Path(repository) / name, configs[name]) for name, n in counts.items() if n}
+    clients, reload, models = mps_clients(stubs)
+    running = sum(stubs.values())
+    return clients, f"{running} stubs and tritonserver, then a reload of {models} ({reload} new stubs)"
 
 
 def clients_warning(repository: Path | str, gpus: list[int]) -> str | None:

@@ -241,6 +241,13 @@ def reload_headroom(counts: dict[str, int], cost: dict[str, int]) -> tuple[int, 
     return best
 
 
+def mps_clients(stubs: dict[str, int]) -> tuple[int, int, str]:
+    """(clients, new stubs, which reload) for `stubs` per model on one GPU (every loaded version's): those stubs,
+    tritonserver, and the new stubs of the reload that starts the most, whatever their bytes."""
+    _, reload, models = reload_headroom(stubs, dict.fromkeys(stubs, 1))
+    return sum(stubs.values()) + 1 + reload, reload, models
+
+
 @dataclass
 class DevicePlan:
     device: Device
@@ -339,8 +346,8 @@ def plan(
     def shm_need(counts: dict[str, int]) -> int:  # every GPU's stubs share the one /dev/shm
         return sum(dev_shm_need(repository, gpus=len(devices) if on_gpu else 0, counts=counts))
 
-    def clients(counts: dict[str, int]) -> int:  # the reload with the most new stubs, whatever their bytes
-        return sum(stubs(counts).values()) + 1 + reload_headroom(stubs(counts), dict.fromkeys(counts, 1))[1]
+    def clients(counts: dict[str, int]) -> int:
+        return mps_clients(stubs(counts))[0]
 
     budgets = [budget(d) for d in devices]
     tightest = min(range(len(devices)), key=lambda i: budgets[i][0])
@@ -406,9 +413,9 @@ def plan(
     if pinned:
         limited_by += "; pinned: " + ", ".join(f"{m}={n}" for m, n in pinned.items())
     used, headroom = need(counts)
-    mps_clients = clients(counts) if on_gpu else 0
+    most_clients = clients(counts) if on_gpu else 0
     return [
-        DevicePlan(d, b, dict(counts), used, headroom, cost, dict(ceiling), limited_by, how, mps_clients)
+        DevicePlan(d, b, dict(counts), used, headroom, cost, dict(ceiling), limited_by, how, most_clients)
         for d, (b, how) in zip(devices, budgets)
     ]
 
