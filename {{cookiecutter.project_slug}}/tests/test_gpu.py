@@ -466,13 +466,13 @@ def jpeg(rng, w, h):
 
 max_batch, budget = 32, 2_000_000
 rng = np.random.default_rng(0)
-stage = Preprocess("cuda:0", torch.float16, max_pixels=budget, decode_budget_pixels=budget)
+stage = Preprocess("cuda:0", torch.float16, max_pixels=4 * budget, decode_budget_pixels=budget)
 cap = stage.peak_gpu_bytes(max_batch)
 stage.own_gpu_memory(max_batch)  # as the preprocess stub does at load
 loaded = torch.cuda.memory_reserved(0)
 sizes = [(int(rng.integers(64, 1400)), int(rng.integers(64, 1400))) for _ in range(40)]
 sizes = [(w, h) for w, h in sizes if w * h <= budget]
-pool = [jpeg(rng, w, h) for w, h in sizes]
+pool = [jpeg(rng, w, h) for w, h in sizes] + [jpeg(rng, 2400, 1500), jpeg(rng, 3000, 2000)]  # over the budget
 reserved = []
 for _ in range(150):
     n = int(rng.integers(1, max_batch + 1))
@@ -486,7 +486,8 @@ print(json.dumps({"cap": cap, "loaded": loaded, "reserved": reserved, "peak": to
 
 def test_preprocess_gpu_memory_plateaus_under_its_cap(tmp_path):
     """The preprocess stub's bound (Preprocess.own_gpu_memory: capped at its peak, the peak reached at load), in a
-    process of its own as in a stub: batches of 1-32 random JPEGs of random sizes all succeed, reserved memory
+    process of its own as in a stub: batches of 1-32 random JPEGs of random sizes, some of them up to 3x the decode
+    budget (decoded and resized on the host, so the cap does not depend on max_pixels), all succeed, reserved memory
     never passes the cap, and the last third of the run reserves at most an eighth of the cap more than the first
     two thirds did (the allocator reclaims cached blocks past 60 % of the cap instead of reserving new ones)."""
     run = subprocess.run([sys.executable, "-c", CAPPED], capture_output=True, text=True, timeout=300, cwd=tmp_path)

@@ -607,20 +607,21 @@ def test_the_watchdog_ends_the_stubs_of_a_replaced_version_that_outlive_it(own_s
     request ends (an answer, an error naming the pipeline once its stub is gone, or a queue's timeout), and the
     server serves on with the stubs its configuration asks for.
 
-    On a CPU the old pipeline is sure to outlive the grace: one request of 4 images of 27 MP takes it seconds to
-    decode, and 24 of them wait in a queue whose timeout this test raises to 120 s for the while. (With the 10 s
-    default, in CI the queue timed out while a 2-core reload took 9.4 s, and the old stubs unloaded in the second
-    before the watchdog's first scan; a request's own timeout cannot raise its model's. Stopping the old stubs
-    with SIGSTOP instead crashed 2.51's server: a stub frozen holding a shared-memory lock, a
-    boost::interprocess::lock_exception.) On a GPU the old pipeline decodes in milliseconds: no stub of it may be
-    left, and whether the watchdog ended it or it unloaded by itself is a race there, so either passes."""
+    On a CPU the old pipeline is sure to outlive the grace: one request of 4 images of 23.5 MP (under the decode
+    budget, so decoded in full) takes it seconds to decode, and 24 of them wait in a queue whose timeout this test
+    raises to 120 s for the while. (With the 10 s default, in CI the queue timed out while a 2-core reload took 9.4
+    s, and the old stubs unloaded in the second before the watchdog's first scan; a request's own timeout cannot
+    raise its model's. Stopping the old stubs with SIGSTOP instead crashed 2.51's server: a stub frozen holding a
+    shared-memory lock, a boost::interprocess::lock_exception.) On a GPU the old pipeline decodes in milliseconds:
+    no stub of it may be left, and whether the watchdog ended it or it unloaded by itself is a race there, so either
+    passes."""
     url, logs = own_server.grpc_url, []
     watchdog = StubWatchdog(
         url, own_server.settings.admin_headers, server_pid=own_server.process.pid, log=logs.append,
         replaced_grace_s=1,
     )  # fmt: skip
     buffer = io.BytesIO()
-    Image.new("RGB", (6000, 4500), (90, 140, 200)).save(buffer, format="JPEG", quality=50)
+    Image.new("RGB", (5600, 4200), (90, 140, 200)).save(buffer, format="JPEG", quality=50)
     large = buffer.getvalue()
 
     def request(_):

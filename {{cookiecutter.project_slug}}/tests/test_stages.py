@@ -96,6 +96,35 @@ def test_batch_of_mixed_sizes_matches_each_image_alone():
     torch.testing.assert_close(torch.cat(together), alone)
 
 
+def smooth_image(width: int, height: int, fmt: str) -> bytes:
+    """A photo-like image without pixel-level detail (gradients and a few soft shapes)."""
+    y, x = np.mgrid[0:height, 0:width] / max(width, height)
+    rgb = np.stack([x, y, 0.5 + 0.5 * np.sin(6 * x) * np.cos(4 * y)], axis=-1) * 255
+    out = io.BytesIO()
+    Image.fromarray(rgb.astype(np.uint8)).save(out, format=fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_an_image_over_the_decode_budget_is_decoded_and_resized_on_the_host(fmt):
+    """Over `decode_budget_pixels` an image never reaches the device at full size (what keeps a GPU preprocess's
+    memory independent of max_image_pixels): it is decoded and resized on the host, a JPEG reduced as it decodes
+    (libjpeg's DCT scaling, here 1/4: 2400x1800 -> 600x450). A PNG gives exactly what the full decode gives, a JPEG
+    the same picture (mean |d| under 0.01 of the normalized range), and not the same bytes."""
+    data = smooth_image(2400, 1800, fmt)
+    small_budget = Preprocess(decode_budget_pixels=1_000_000)
+    full, reduced = Preprocess()([data]), small_budget([data])
+    assert reduced.shape == full.shape == (1, 3, 224, 224)
+    if fmt == "PNG":
+        torch.testing.assert_close(reduced, full)
+    else:
+        assert not torch.equal(reduced, full), "the JPEG was reduced as it decoded"
+        assert (reduced - full).abs().mean() < 0.01 * (full.max() - full.min())
+    together = small_budget.batch([[make_image(3), data, make_image(4)]])[0]  # among small images, in its slot
+    torch.testing.assert_close(together[1:2], reduced)
+    torch.testing.assert_close(together[::2], Preprocess()([make_image(3), make_image(4)]))
+
+
 def test_postprocess_top_k_is_sorted_probabilities_with_labels():
     logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
     post = Postprocess(top_k=5)

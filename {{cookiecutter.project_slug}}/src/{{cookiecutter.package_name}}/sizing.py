@@ -183,9 +183,7 @@ def instance_bytes(name: str, configs: dict, on_gpu: bool = True) -> int:
         from .stages import preprocess_peak_bytes
 
         params = {key: value.string_value for key, value in config.parameters.items()}
-        peak = preprocess_peak_bytes(
-            batch, int(params.get("crop", 224)), _pixels_bytes(configs), int(params.get("max_image_pixels", 40_000_000))
-        )
+        peak = preprocess_peak_bytes(batch, int(params.get("crop", 224)), _pixels_bytes(configs))
         return CONTEXT_BYTES + PREPROCESS_BYTES * peak // PREPROCESS_PEAK_BYTES
     if name == "resnet":
         variant = _parameter(config, "variant") or "resnet50"

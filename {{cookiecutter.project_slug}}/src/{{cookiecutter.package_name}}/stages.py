@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -54,7 +55,7 @@ def inspect_image(data: bytes, max_pixels: int) -> tuple[str, int, int]:
 
 
 # Decoded pixels a GPU preprocess holds at once (Preprocess): 128 images of 500x375 in one nvJPEG call. An image
-# larger than this (up to max_image_pixels) is decoded alone.
+# larger than this (up to max_image_pixels) is decoded and resized on the host, reduced while it decodes.
 DECODE_BUDGET_PIXELS = 24_000_000
 
 
@@ -62,20 +63,19 @@ def preprocess_peak_bytes(
     max_batch_size: int,
     crop: int,
     dtype_bytes: int,
-    max_pixels: int,
     decode_budget_pixels: int = DECODE_BUDGET_PIXELS,
     resize: int = 256,
 ) -> int:
     """The most GPU memory one batch of `max_batch_size` images can hold in Preprocess.
 
-    One decode chunk (at most the decode budget, or the largest image alone): its RGB images (uint8), the center
-    squares that survive the crop (at most (crop/resize)^2 of each image) stacked as uint8 and as float for the
-    resize, with as much again for the resize's own buffers; then the batch's resized float pixels, their
-    normalized copy and the cast to the output dtype. A quarter more for the caching allocator's rounding. Also
-    what `serve` budgets for a preprocess instance (sizing.py)."""
+    One decode chunk (at most the decode budget: a larger image never reaches the GPU at full size): its RGB
+    images (uint8), the center squares that survive the crop (at most (crop/resize)^2 of each image) stacked as
+    uint8 and as float for the resize, with as much again for the resize's own buffers; then the batch's resized
+    float pixels, normalized in place, and their cast to the output dtype. A quarter more for the caching
+    allocator's rounding. Also what `serve` budgets for a preprocess instance (sizing.py)."""
     squares = min(1.0, (crop / resize) ** 2)
-    chunk = int(max(decode_budget_pixels, max_pixels) * 3 * (1 + squares * (1 + 4 + 4)))
-    pixels = max_batch_size * 3 * crop**2 * (4 + 4 + 4 + dtype_bytes)
+    chunk = int(decode_budget_pixels * 3 * (1 + squares * (1 + 4 + 4)))
+    pixels = max_batch_size * 3 * crop**2 * (4 + dtype_bytes)
     return (chunk + pixels) * 5 // 4
 
 
@@ -87,7 +87,9 @@ class Preprocess:
     full-size resized image is ever made. On a GPU, the JPEGs of a whole batch are decoded by one nvJPEG call
     (torchvision's batched `decode_jpeg`), crops of the same size are resized by one kernel, and normalization
     is one fused multiply-add over the batch: no host sync until the pixels are handed on. PNGs (and what nvJPEG
-    refuses: CMYK) decode on the CPU. Grayscale, palette and alpha images are converted to RGB.
+    refuses: CMYK) decode on the CPU. An image over the decode budget (24 M pixels) is decoded and resized on the
+    CPU, a JPEG reduced as it decodes, so the GPU memory a batch needs does not depend on `max_pixels`. Grayscale,
+    palette and alpha images are converted to RGB.
     """
 
     def __init__(
@@ -104,8 +106,8 @@ class Preprocess:
         self.dtype = dtype
         self.resize, self.crop = resize, crop
         self.max_pixels = max_pixels
-        # At most this many decoded pixels are held at once (a batch of 128 full-size 40 MP images would be 15 GB);
-        # an image larger than that is decoded alone.
+        # At most this many decoded pixels are held at once on the device (a batch of 128 full-size 40 MP images
+        # would be 15 GB); an image larger than that is decoded and resized on the host (`_on_host`).
         self.decode_budget_pixels = decode_budget_pixels
         mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1)
         std = torch.tensor(IMAGENET_STD, device=self.device).view(1, 3, 1, 1)
@@ -129,13 +131,14 @@ class Preprocess:
         """The most GPU memory one batch of `max_batch_size` images can hold (`preprocess_peak_bytes`). A process
         that runs only this stage caps its GPU memory there: `cap_gpu_memory`."""
         return preprocess_peak_bytes(
-            max_batch_size, self.crop, self.dtype.itemsize, self.max_pixels, self.decode_budget_pixels, self.resize
+            max_batch_size, self.crop, self.dtype.itemsize, self.decode_budget_pixels, self.resize
         )
 
     def own_gpu_memory(self, max_batch_size: int) -> None:
         """For a process that runs this stage alone (a Triton instance): cap its GPU memory at the stage's peak
         (`cap_gpu_memory` at `peak_gpu_bytes`), then reach that peak once, now, with the largest batches the stage
-        accepts: `max_batch_size` JPEGs that together fill the decode budget, then one of `max_pixels`.
+        accepts: `max_batch_size` JPEGs that together fill the decode budget (a larger image is decoded on the
+        host: `_on_host`).
 
         Without the second step memory climbs under traffic in steps: each batch larger than any before makes the
         caching allocator reserve bigger blocks and nvJPEG grow its own buffers (which the cap does not cover),
@@ -146,20 +149,44 @@ class Preprocess:
         cap_gpu_memory(self.device, self.peak_gpu_bytes(max_batch_size))
         each = max(1, self.decode_budget_pixels // max(1, max_batch_size))
         self.batch([[_blank_jpeg(_four_by_three(min(each, self.max_pixels)))] * max_batch_size])
-        self.batch([[_blank_jpeg(_four_by_three(self.max_pixels))]])
         torch.cuda.synchronize(self.device)
 
     def decode(self, data: bytes, fmt: str, width: int, height: int) -> torch.Tensor:
         """One encoded image -> uint8 [3, H, W] on the device. Raises InvalidImage."""
-        encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if fmt == "JPEG" and self.on_gpu:
+            try:
+                image = self._decode_jpegs_on_gpu([torch.frombuffer(bytearray(data), dtype=torch.uint8)])[0]
+                return self._checked(image, width, height)
+            except RuntimeError:
+                pass
+        return self._decode_on_host(data, width, height).to(self.device)
+
+    def _decode_on_host(self, data: bytes, width: int, height: int) -> torch.Tensor:
+        """One encoded image -> uint8 [3, H, W] in host memory (libjpeg, libpng; Pillow for what they refuse)."""
         try:
-            if fmt == "JPEG" and self.on_gpu:
-                image = self._decode_jpegs_on_gpu([encoded])[0]
-            else:
-                image = torchvision.io.decode_image(encoded, mode=ImageReadMode.RGB)
+            image = torchvision.io.decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), ImageReadMode.RGB)
         except RuntimeError:
             image = self._decode_with_pillow(data)
-        return self._checked(image, width, height).to(self.device)
+        return self._checked(image, width, height)
+
+    def _on_host(self, item: _Image) -> torch.Tensor:
+        """An image over the decode budget -> its uint8 [3, crop, crop] pixels, decoded and resized in host memory,
+        so that neither the full-size image nor its float copy is ever held on the device. A JPEG is reduced while
+        it decodes (libjpeg's DCT scaling, through Pillow's `draft`: 1/2, 1/4 or 1/8) to the smallest size whose
+        short side is still at least `resize`: a 40 MP photo decodes at 1/8, in a few milliseconds. Raises
+        InvalidImage."""
+        if item.fmt != "JPEG":
+            image = self._decode_on_host(item.data, item.width, item.height)
+        else:
+            try:
+                with Image.open(io.BytesIO(item.data), formats=("JPEG",)) as jpeg:
+                    scale = min(jpeg.size) / self.resize
+                    jpeg.draft("RGB", (math.ceil(jpeg.width / scale), math.ceil(jpeg.height / scale)))
+                    image = torch.from_numpy(np.asarray(jpeg.convert("RGB")).copy()).permute(2, 0, 1)
+            except Exception as exc:
+                raise InvalidImage(f"cannot decode image: {exc}") from None
+        square = self.center_square(image).unsqueeze(0).contiguous()
+        return v2.functional.resize(square, [self.crop, self.crop], antialias=True)[0]
 
     def _decode_jpegs_on_gpu(self, encoded: list[torch.Tensor]) -> list[torch.Tensor]:
         # torchvision's CUDA decoder can write into memory that work still queued on this stream reads
@@ -203,7 +230,7 @@ class Preprocess:
 
         The images of all groups become one batch, and each group's pixels are a view into it (no copy). A bad
         image fails its own group only. Decoded images are held at most `decode_budget_pixels` at a time on a
-        GPU, and one at a time on the CPU.
+        GPU, and one at a time on the CPU; an image over that budget is decoded and resized on the host (`_on_host`).
         """
         errors: dict[int, InvalidImage] = {}
         items: list[_Image] = []
@@ -220,6 +247,13 @@ class Preprocess:
             device=self.device,
         )
         for chunk in self._chunks(items, errors):
+            if len(chunk) == 1 and chunk[0][1].width * chunk[0][1].height > self.decode_budget_pixels:
+                slot, item = chunk[0]  # over the budget: alone in its chunk (_chunks), and never full-size here
+                try:
+                    resized[slot] = self._on_host(item).to(self.device)
+                except InvalidImage as exc:
+                    errors.setdefault(item.group, exc)
+                continue
             same_size: dict[int, list[tuple[int, torch.Tensor]]] = {}
             for (slot, item), image in zip(chunk, self._decode_chunk([item for _, item in chunk])):
                 if isinstance(image, InvalidImage):
@@ -235,7 +269,12 @@ class Preprocess:
                     resized[slots[0] : slots[-1] + 1] = out
                 else:
                     resized[torch.tensor(slots, device=self.device)] = out
-        pixels = torch.addcmul(self.shift, resized.float(), self.scale).to(self.dtype) if items else resized
+        if not items:
+            pixels = resized
+        elif self.on_gpu:  # normalized in place: the batch's float pixels are held once
+            pixels = torch.addcmul(self.shift, resized, self.scale, out=resized).to(self.dtype)
+        else:
+            pixels = torch.addcmul(self.shift, resized.float(), self.scale).to(self.dtype)
         return [
             errors[g] if g in errors else pixels[starts[g] : starts[g] + len(group)] for g, group in enumerate(groups)
         ]
