@@ -178,15 +178,8 @@ class Preprocess:
         if item.fmt != "JPEG":
             image = self._decode_on_host(item.data, item.width, item.height)
         else:
-            try:
-                with Image.open(io.BytesIO(item.data), formats=("JPEG",)) as jpeg:
-                    scale = min(jpeg.size) / self.resize
-                    jpeg.draft("RGB", (math.ceil(jpeg.width / scale), math.ceil(jpeg.height / scale)))
-                    image = torch.from_numpy(np.asarray(jpeg.convert("RGB")).copy()).permute(2, 0, 1)
-            except Exception as exc:
-                raise InvalidImage(f"cannot decode image: {exc}") from None
-        square = self.center_square(image).unsqueeze(0).contiguous()
-        return v2.functional.resize(square, [self.crop, self.crop], antialias=True)[0]
+            image = self._decode_with_pillow(item.data, short_side=self.resize)
+        return self._resize(self.center_square(image).unsqueeze(0).contiguous())[0]
 
     def _decode_jpegs_on_gpu(self, encoded: list[torch.Tensor]) -> list[torch.Tensor]:
         # torchvision's CUDA decoder can write into memory that work still queued on this stream reads
@@ -203,10 +196,14 @@ class Preprocess:
         return image
 
     @staticmethod
-    def _decode_with_pillow(data: bytes) -> torch.Tensor:
-        """Fallback for what libjpeg/libpng/nvJPEG in torchvision refuse (CMYK JPEGs)."""
+    def _decode_with_pillow(data: bytes, short_side: int | None = None) -> torch.Tensor:
+        """Fallback for what libjpeg/libpng/nvJPEG in torchvision refuse (CMYK JPEGs). With `short_side`, a JPEG is
+        reduced as it decodes (Pillow's `draft`) to the smallest size whose short side is still at least that."""
         try:
             with Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS) as image:
+                if short_side is not None:
+                    scale = min(image.size) / short_side
+                    image.draft("RGB", (math.ceil(image.width / scale), math.ceil(image.height / scale)))
                 rgb = np.asarray(image.convert("RGB"))
         except Exception as exc:
             raise InvalidImage(f"cannot decode image: {exc}") from None
