@@ -15,6 +15,7 @@ from {{ cookiecutter.package_name }}.stages import (
     Classifier,
     InvalidImage,
     Postprocess,
+    RESIZE_PART_PIXELS,
     Preprocess,
     imagenet_labels,
     inspect_image,
@@ -123,6 +124,20 @@ def test_an_image_over_the_decode_budget_is_decoded_and_resized_on_the_host(fmt)
     together = small_budget.batch([[make_image(3), data, make_image(4)]])[0]  # among small images, in its slot
     torch.testing.assert_close(together[1:2], reduced)
     torch.testing.assert_close(together[::2], Preprocess()([make_image(3), make_image(4)]))
+
+
+def test_a_batch_resized_in_parts_gives_each_image_what_it_gives_alone():
+    """Same-size center squares are resized a part at a time (`RESIZE_PART_PIXELS` of them converted at once): a
+    batch spanning three parts, with an odd-sized image among them, gives every image what it gives alone."""
+    size = (500, 375)
+    per_part = RESIZE_PART_PIXELS // round(375 * 224 / 256) ** 2
+    images = [make_image(seed, size) for seed in range(2 * per_part + 3)]
+    images.insert(per_part - 1, make_image(99, (320, 240)))
+    stage = Preprocess()
+    batch = stage(images)
+    assert batch.shape == (len(images), 3, 224, 224)
+    for k in [0, per_part - 2, per_part - 1, per_part, per_part + 1, 2 * per_part, len(images) - 1]:
+        torch.testing.assert_close(batch[k : k + 1], stage([images[k]]))
 
 
 def test_postprocess_top_k_is_sorted_probabilities_with_labels():

@@ -37,6 +37,8 @@ VARIANTS = [
     "preprocess",
     "preprocess-budget-16M",
     "preprocess-budget-16M-stack-256",
+    "d2d-stack-0",
+    "kernel-stack-0",
 ]
 
 
@@ -78,6 +80,13 @@ def child(variant: str) -> None:
             cuda = ctypes.CDLL("libcuda.so.1")
             assert cuda.cuCtxSetLimit(0, ctypes.c_size_t(size)) == 0  # CU_LIMIT_STACK_SIZE
             torch.cuda.synchronize()
+        if variant.startswith(("d2d", "kernel")):  # after the trim: what a D2D copy (a BLS input's) or a kernel adds
+            a = torch.empty(38 << 20, dtype=torch.uint8, device="cuda")
+            b = torch.empty_like(a)
+            b.copy_(a) if variant.startswith("d2d") else a.add_(1)
+            torch.cuda.synchronize()
+            del a, b
+            torch.cuda.empty_cache()
         torch.cuda.synchronize()
     print("ready", flush=True)
     time.sleep(600)
@@ -109,19 +118,20 @@ def measure(env: dict, variants: list[str]) -> dict[str, int]:
 
 
 def main() -> None:
-    out = sys.argv[1]
+    out, only = sys.argv[1], sys.argv[2:]  # probe OUT.json [VARIANT ...]: those variants alone, under MPS
     from image_classifier import mps
 
     report = {"gpu": subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                                     capture_output=True, text=True).stdout.strip()}
-    report["no_mps"] = measure(dict(os.environ), VARIANTS[:4])
+    if not only:
+        report["no_mps"] = measure(dict(os.environ), VARIANTS[:4])
     daemon, status = mps.start([0])
     print("MPS:", status, flush=True)
     try:
         env = dict(os.environ)
         if daemon is not None:
             env.update(daemon.env)
-        report["mps"] = measure(env, VARIANTS)
+        report["mps"] = measure(env, only or VARIANTS)
     finally:
         if daemon is not None:
             daemon.stop()

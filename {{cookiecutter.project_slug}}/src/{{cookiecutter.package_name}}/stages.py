@@ -57,6 +57,9 @@ def inspect_image(data: bytes, max_pixels: int) -> tuple[str, int, int]:
 # Decoded pixels a GPU preprocess holds at once (Preprocess): 128 images of 500x375 in one nvJPEG call. An image
 # larger than this (up to max_image_pixels) is decoded and resized on the host, reduced while it decodes.
 DECODE_BUDGET_PIXELS = 24_000_000
+# Center squares converted to float and resized at once (Preprocess._resize_in_parts): 37 squares of a 500x375 JPEG.
+# A larger square goes alone.
+RESIZE_PART_PIXELS = 4_000_000
 
 
 def preprocess_peak_bytes(
@@ -69,13 +72,15 @@ def preprocess_peak_bytes(
     """The most GPU memory one batch of `max_batch_size` images can hold in Preprocess.
 
     One decode chunk (at most the decode budget: a larger image never reaches the GPU at full size): its RGB
-    images (uint8), the center squares that survive the crop (at most (crop/resize)^2 of each image) stacked as
-    uint8 and as float for the resize, with as much again for the resize's own buffers; then the batch's resized
-    float pixels, normalized in place, and their cast to the output dtype. A quarter more for the caching
-    allocator's rounding. Also what `serve` budgets for a preprocess instance (sizing.py)."""
+    images (uint8), and one part of their center squares at a time (`RESIZE_PART_PIXELS`, or one square larger
+    than that: at most (crop/resize)^2 of the budget) stacked as uint8 and as float, with the part's resized float
+    pixels (the antialiased resize needs no buffer of its own on a contiguous input); the batch's resized float
+    pixels, normalized in place, and their cast to the output dtype. A quarter more for the caching allocator's
+    rounding. Also what `serve` budgets for a preprocess instance (sizing.py)."""
     squares = min(1.0, (crop / resize) ** 2)
-    chunk = int(decode_budget_pixels * 3 * (1 + squares * (1 + 4 + 4)))
-    pixels = max_batch_size * 3 * crop**2 * (4 + dtype_bytes)
+    part = max(RESIZE_PART_PIXELS, int(decode_budget_pixels * squares))
+    chunk = decode_budget_pixels * 3 + part * 3 * (1 + 4)
+    pixels = max_batch_size * 3 * crop**2 * (4 + 4 + dtype_bytes)
     return (chunk + pixels) * 5 // 4
 
 
@@ -258,14 +263,15 @@ class Preprocess:
                 elif item.group not in errors:
                     square = self.center_square(image)
                     same_size.setdefault(square.shape[-1], []).append((slot, square))
-            # one resize per crop size: on a GPU the images of one camera share a kernel
+            # one resize per crop size and part: on a GPU the images of one camera share a kernel
             for squares in same_size.values():
-                slots = [slot for slot, _ in squares]
-                out = self._resize(torch.stack([square for _, square in squares]))
-                if slots == list(range(slots[0], slots[-1] + 1)):
-                    resized[slots[0] : slots[-1] + 1] = out
-                else:
-                    resized[torch.tensor(slots, device=self.device)] = out
+                for part in self._resize_parts(squares):
+                    slots = [slot for slot, _ in part]
+                    out = self._resize(torch.stack([square for _, square in part]))
+                    if slots == list(range(slots[0], slots[-1] + 1)):
+                        resized[slots[0] : slots[-1] + 1] = out
+                    else:
+                        resized[torch.tensor(slots, device=self.device)] = out
         if not items:
             pixels = resized
         elif self.on_gpu:  # normalized in place: the batch's float pixels are held once
@@ -275,6 +281,15 @@ class Preprocess:
         return [
             errors[g] if g in errors else pixels[starts[g] : starts[g] + len(group)] for g, group in enumerate(groups)
         ]
+
+    def _resize_parts(self, squares: list[tuple[int, torch.Tensor]]):
+        """Same-size (slot, square) pairs in parts of at most `RESIZE_PART_PIXELS` (a larger square alone): the
+        float copy a resize needs is made of one part at a time, not of the whole batch (165 MB at batch 128 of
+        500x375 JPEGs, against 48 MB), at a few kernels per batch."""
+        side = squares[0][1].shape[-1]
+        step = max(1, RESIZE_PART_PIXELS // (side * side))
+        for start in range(0, len(squares), step):
+            yield squares[start : start + step]
 
     def _chunks(self, items: list[_Image], errors: dict[int, InvalidImage]):
         """(slot, item) lists holding at most the decode budget of pixels (one image on the CPU)."""
