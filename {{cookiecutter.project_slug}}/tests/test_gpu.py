@@ -543,11 +543,11 @@ def gpu_used_mib() -> int:
     return int(float(out.split()[0]))
 
 
-def test_serve_starts_on_a_gpu_of_which_another_process_holds_all_but_16_gib(model_repository, tmp_path):
+@pytest.mark.parametrize("budget_gib", [16, 10])
+def test_serve_starts_on_a_gpu_of_which_another_process_holds_all_but_a_budget(model_repository, tmp_path, budget_gib):
     """As on a 16 GB card or a shared GPU: another process holds the rest of the GPU's memory, and `serve` with no
-    flag sizes its counts to the 16 GiB it finds, comes up ready, answers the pipeline and the ensemble like the
-    in-process reference, and stays within the 16 GiB while it serves."""
-    budget_gib = 16
+    flag sizes its counts to the budget it finds (at 10 GiB fewer than the configs'), comes up ready, answers the
+    pipeline and the ensemble like the in-process reference, and stays within the budget while it serves."""
     if torch.cuda.mem_get_info()[0] < (budget_gib + 4) << 30:
         pytest.skip(f"needs {budget_gib + 4} GiB free on the GPU")
     repo = tmp_path / "model_repository"
@@ -568,7 +568,8 @@ def test_serve_starts_on_a_gpu_of_which_another_process_holds_all_but_16_gib(mod
         while (line := serve.stdout.readline()) and not line.startswith(("ready in", "error")):
             lines.append(line.rstrip())
         assert line.startswith("ready in"), "\n".join([*lines, line])
-        assert lines[0].startswith(f"instances: GPU 0: {budget_gib}.") and "limited by GPU memory" in lines[0], lines
+        assert lines[0].startswith(f"instances: GPU 0: {budget_gib}."), lines
+        assert budget_gib > 12 or "limited by GPU memory" in lines[0], lines
         threading.Thread(target=serve.stdout.read, daemon=True).start()
         images = [make_image(300 + i, size=(500, 375)) for i in range(16)]
         url = f"localhost:{ports[1]}"

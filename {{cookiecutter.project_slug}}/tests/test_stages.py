@@ -12,10 +12,10 @@ from {{ cookiecutter.package_name }}.model_repository import load_config, resnet
 from {{ cookiecutter.package_name }}.stages import (
     IMAGENET_MEAN,
     IMAGENET_STD,
+    RESIZE_PART_PIXELS,
     Classifier,
     InvalidImage,
     Postprocess,
-    RESIZE_PART_PIXELS,
     Preprocess,
     imagenet_labels,
     inspect_image,

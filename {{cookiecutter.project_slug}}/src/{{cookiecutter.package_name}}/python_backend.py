@@ -150,11 +150,13 @@ def trim_cuda_stack(device: torch.device) -> None:
     """Give back the local memory a new CUDA context reserves for every thread's stack: 1 KiB x the threads the GPU
     can hold at once, 264 MiB of the 518 MiB an H100 context holds (measured per process, with and without MPS:
     docs/benchmarks/probes/ in the template repository). The limit set to 0 is a floor the driver raises at a launch
-    as far as that kernel needs, and keeps: the stage's warm-up at load raises it to what its kernels use, and a
-    stub that launches none (the pipeline's) keeps half its context. Called once per stub, before any kernel."""
+    as far as that kernel needs, and keeps: the stage's warm-up at load raises it to what its kernels use (one
+    elementwise kernel of torch: 92 MiB more), and a stub that launches none (the pipeline's: the copies of a BLS
+    call are no kernel) keeps half its context. Called once per stub, before any kernel: the context is made by an
+    allocation, not a kernel."""
     import ctypes
 
-    torch.zeros(1, device=device)  # the context exists
+    torch.empty(1, device=device)  # the context exists, and no kernel has run
     try:
         ctypes.CDLL("libcuda.so.1").cuCtxSetLimit(0, ctypes.c_size_t(0))  # CU_LIMIT_STACK_SIZE
     except OSError:  # no driver library by that name: keep the default
