@@ -50,7 +50,7 @@ MAX_MPS_CLIENTS = MAX_CLIENTS  # per GPU, NVIDIA's documented limit for Volta an
 
 # Measured per process on an H100 80GB HBM3 under CUDA MPS, after load and under load, at the defaults (resnet50,
 # fp16, max batch 128, 500x375 JPEGs): docs/benchmarks/gpu-budgets.json in the template repository.
-CONTEXT_BYTES = 348 * MiB  # a stub with torch's CUDA initialized and its stack trimmed: the pipeline's
+CONTEXT_BYTES = 348 * MiB  # a stub's context, stack trimmed, once a torch kernel has run (the pipeline's: 254)
 SERVER_BYTES = 530 * MiB  # tritonserver without its CUDA memory pool
 POSTPROCESS_BYTES = 16 * MiB  # the top-k's kernels and buffers, beside the context
 PREPROCESS_BYTES = 362 * MiB  # beside the context, nvJPEG's buffers included (710 MiB a stub in all), at ...
