@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The baked project's whole test suite on one GPU machine, one part per device call (< 10 min each; a GPU server
-# loads its 25 stubs in about a minute):
+# loads its 18 stubs in well under a minute):
 #
 #   scripts/gpu_bake.sh                      # here: bake into .gpu-bake/ (fp16, the default answers otherwise)
 #   scripts/gpu_suite.sh OUT 1               # there, from the template root, after `source .gpu-bundle/activate`

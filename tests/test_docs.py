@@ -195,8 +195,8 @@ def package_dir(project: Path) -> Path:
 
 def instance_count_problems(project: Path, root_readme: str) -> list[str]:
     counts = {model: sum(g.count for g in config(project, model).instance_group) for model in MODELS}
-    phrase = ", ".join(f"{model} {counts[model]}" for model in MODELS)  # pipeline 16, preprocess 6, ...
-    short = "/".join(str(counts[model]) for model in MODELS)  # 16/6/2/1
+    phrase = ", ".join(f"{model} {counts[model]}" for model in MODELS)  # pipeline 10, preprocess 5, ...
+    short = "/".join(str(counts[model]) for model in MODELS)  # 10/5/2/1
     docs = {
         "README.md": (project / "README.md").read_text(),
         "docs/performance.md": (project / "docs" / "performance.md").read_text(),
@@ -246,7 +246,7 @@ def stage_setting_problems(project: Path, root_readme: str) -> list[str]:
 
 def shm_problems(project: Path) -> list[str]:
     compose = yaml.safe_load((project / "docker-compose.yml").read_text())
-    shm_size = compose["services"]["triton"]["shm_size"]  # ${TRITON_SHM_SIZE:-5gb}
+    shm_size = compose["services"]["triton"]["shm_size"]  # ${TRITON_SHM_SIZE:-4gb}
     gib = int(re.fullmatch(r"\$\{TRITON_SHM_SIZE:-(\d+)gb\}", shm_size).group(1))
     deployment = (project / "deploy" / "kubernetes" / "base" / "deployment.yaml").read_text()
     (limit,) = re.findall(r"sizeLimit: (\d+)Gi", deployment)

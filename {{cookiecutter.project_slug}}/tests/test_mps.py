@@ -476,8 +476,8 @@ def test_gpu_serve_stops_its_mps_daemon_and_no_mps_serves_without_it(tmp_path):
 
 
 def test_the_shipped_counts_leave_mps_room_for_a_reload_and_more_are_warned_of(tmp_path):
-    """MPS takes 48 clients per GPU. The shipped counts need 42 at most: 25 stubs and tritonserver, then the
-    largest reload's new stubs beside the old: the pipeline's 16 (a hot reload, or the watchdog's once a stage it
+    """MPS takes 48 clients per GPU. The shipped counts need 29 at most: 18 stubs and tritonserver, then the
+    largest reload's new stubs beside the old: the pipeline's 10 (a hot reload, or the watchdog's once a stage it
     calls is reloaded; that stage's own reload, the dead stub gone, starts fewer)."""
     repository = tmp_path / "model_repository"
     shutil.copytree(PROJECT / "model_repository", repository, ignore=shutil.ignore_patterns("*.pt"))

@@ -1,6 +1,7 @@
 """The stage code as plain PyTorch, without Triton."""
 
 import io
+import math
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from {{ cookiecutter.package_name }}.stages import (
     InvalidImage,
     Postprocess,
     Preprocess,
+    _Image,
     imagenet_labels,
     inspect_image,
 )
@@ -126,18 +128,32 @@ def test_an_image_over_the_decode_budget_is_decoded_and_resized_on_the_host(fmt)
     torch.testing.assert_close(together[::2], Preprocess()([make_image(3), make_image(4)]))
 
 
-def test_a_batch_resized_in_parts_gives_each_image_what_it_gives_alone():
-    """Same-size center squares are resized a part at a time (`RESIZE_PART_PIXELS` of them converted at once): a
-    batch spanning three parts, with an odd-sized image among them, gives every image what it gives alone."""
-    size = (500, 375)
-    per_part = RESIZE_PART_PIXELS // round(375 * 224 / 256) ** 2
-    images = [make_image(seed, size) for seed in range(2 * per_part + 3)]
-    images.insert(per_part - 1, make_image(99, (320, 240)))
+def test_a_chunk_resized_in_parts_gives_each_image_what_it_gives_alone():
+    """On a GPU a decode chunk holds a whole batch, and its same-size center squares are converted to float and
+    resized a part at a time (`RESIZE_PART_PIXELS`). The parts keep the order and put a square over the budget
+    alone; a chunk of three parts, with an odd-sized image in the first so that its slots are not contiguous,
+    resized as a GPU does it (here on the CPU), gives every image what it gives alone, in its own slot."""
     stage = Preprocess()
-    batch = stage(images)
-    assert batch.shape == (len(images), 3, 224, 224)
-    for k in [0, per_part - 2, per_part - 1, per_part, per_part + 1, 2 * per_part, len(images) - 1]:
-        torch.testing.assert_close(batch[k : k + 1], stage([images[k]]))
+    side = round(375 * 224 / 256)  # the center square of a 500x375 image
+    per_part = RESIZE_PART_PIXELS // side**2
+    squares = [(k, torch.zeros(3, side, side, dtype=torch.uint8)) for k in range(2 * per_part + 3)]
+    parts = list(stage._resize_parts(squares))
+    assert [len(part) for part in parts] == [per_part, per_part, 3]
+    assert [k for part in parts for k, _ in part] == list(range(len(squares)))
+    big = math.isqrt(2 * RESIZE_PART_PIXELS)
+    assert [len(part) for part in stage._resize_parts([(k, torch.zeros(3, big, big)) for k in range(3)])] == [1, 1, 1]
+
+    data = [make_image(seed, (500, 375)) for seed in range(2 * per_part + 3)]
+    data.insert(per_part - 1, make_image(99, (320, 240)))
+    items = [_Image(0, d, *inspect_image(d, stage.max_pixels)) for d in data]
+    together = torch.full((len(items), 3, 224, 224), 7, dtype=torch.uint8)
+    errors: dict = {}
+    stage._decode_and_resize(list(enumerate(items)), together, errors)
+    assert not errors
+    for k, item in enumerate(items):
+        alone = torch.empty((1, 3, 224, 224), dtype=torch.uint8)
+        stage._decode_and_resize([(0, item)], alone, errors)
+        torch.testing.assert_close(together[k], alone[0], msg=f"slot {k}")
 
 
 def test_postprocess_top_k_is_sorted_probabilities_with_labels():

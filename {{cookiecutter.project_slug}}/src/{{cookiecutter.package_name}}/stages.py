@@ -57,7 +57,7 @@ def inspect_image(data: bytes, max_pixels: int) -> tuple[str, int, int]:
 # Decoded pixels a GPU preprocess holds at once (Preprocess): 128 images of 500x375 in one nvJPEG call. An image
 # larger than this (up to max_image_pixels) is decoded and resized on the host, reduced while it decodes.
 DECODE_BUDGET_PIXELS = 24_000_000
-# Center squares converted to float and resized at once (Preprocess._resize_in_parts): 37 squares of a 500x375 JPEG.
+# Center squares converted to float and resized at once (Preprocess._resize_parts): 37 squares of a 500x375 JPEG.
 # A larger square goes alone.
 RESIZE_PART_PIXELS = 4_000_000
 
@@ -141,15 +141,17 @@ class Preprocess:
 
     def own_gpu_memory(self, max_batch_size: int) -> None:
         """For a process that runs this stage alone (a Triton instance): cap its GPU memory at the stage's peak
-        (`cap_gpu_memory` at `peak_gpu_bytes`), then reach that peak once, now, with the largest batches the stage
-        accepts: `max_batch_size` JPEGs that together fill the decode budget (a larger image is decoded on the
-        host: `_on_host`).
+        (`cap_gpu_memory` at `peak_gpu_bytes`), then reach a full batch's working memory once, now: `max_batch_size`
+        JPEGs that together fill the decode budget (a larger image is decoded on the host: `_on_host`).
 
         Without the second step memory climbs under traffic in steps: each batch larger than any before makes the
         caching allocator reserve bigger blocks and nvJPEG grow its own buffers (which the cap does not cover),
-        60-100 MiB at a time, until the worst batch has been seen (measured in an H200 soak). After it, later
-        batches fit in what is already held. It costs a second or so of load, and the instance holds its high-water
-        mark (about 1 GiB at the defaults) from the start instead of reaching it under traffic.
+        60-100 MiB at a time, until the worst batch has been seen (measured in an H200 soak). After it, batches of
+        such images fit in what is already held: 710 MiB a stub at the defaults, context included. One image near
+        the decode budget alone needs more at once (its center square as float: 220 MB at 24 M pixels, where a
+        batch's squares go a part at a time); the cap bounds that, and past 0.6 of the cap the allocator gives
+        unused blocks back (`cap_gpu_memory`), so such an image raises a stub's memory for a while: its torch
+        memory up to the cap (0.63 GiB at the defaults), beside the context and nvJPEG's buffers.
         """
         cap_gpu_memory(self.device, self.peak_gpu_bytes(max_batch_size))
         each = max(1, self.decode_budget_pixels // max(1, max_batch_size))
@@ -256,22 +258,7 @@ class Preprocess:
                 except InvalidImage as exc:
                     errors.setdefault(item.group, exc)
                 continue
-            same_size: dict[int, list[tuple[int, torch.Tensor]]] = {}
-            for (slot, item), image in zip(chunk, self._decode_chunk([item for _, item in chunk])):
-                if isinstance(image, InvalidImage):
-                    errors.setdefault(item.group, image)
-                elif item.group not in errors:
-                    square = self.center_square(image)
-                    same_size.setdefault(square.shape[-1], []).append((slot, square))
-            # one resize per crop size and part: on a GPU the images of one camera share a kernel
-            for squares in same_size.values():
-                for part in self._resize_parts(squares):
-                    slots = [slot for slot, _ in part]
-                    out = self._resize(torch.stack([square for _, square in part]))
-                    if slots == list(range(slots[0], slots[-1] + 1)):
-                        resized[slots[0] : slots[-1] + 1] = out
-                    else:
-                        resized[torch.tensor(slots, device=self.device)] = out
+            self._decode_and_resize(chunk, resized, errors)  # its images are freed on return, before the next
         if not items:
             pixels = resized
         elif self.on_gpu:  # normalized in place: the batch's float pixels are held once
@@ -281,6 +268,26 @@ class Preprocess:
         return [
             errors[g] if g in errors else pixels[starts[g] : starts[g] + len(group)] for g, group in enumerate(groups)
         ]
+
+    def _decode_and_resize(self, chunk: list, resized: torch.Tensor, errors: dict[int, InvalidImage]) -> None:
+        """Decode a chunk's images and write their resized center squares into their slots of `resized`; a bad
+        image's error goes to `errors`, under its group."""
+        same_size: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for (slot, item), image in zip(chunk, self._decode_chunk([item for _, item in chunk])):
+            if isinstance(image, InvalidImage):
+                errors.setdefault(item.group, image)
+            elif item.group not in errors:
+                square = self.center_square(image)
+                same_size.setdefault(square.shape[-1], []).append((slot, square))
+        # one resize per crop size and part: on a GPU the images of one camera share a kernel
+        for squares in same_size.values():
+            for part in self._resize_parts(squares):
+                slots = [slot for slot, _ in part]
+                out = self._resize(torch.stack([square for _, square in part]))
+                if slots == list(range(slots[0], slots[-1] + 1)):
+                    resized[slots[0] : slots[-1] + 1] = out
+                else:
+                    resized[torch.tensor(slots, device=self.device)] = out
 
     def _resize_parts(self, squares: list[tuple[int, torch.Tensor]]):
         """Same-size (slot, square) pairs in parts of at most `RESIZE_PART_PIXELS` (a larger square alone): the
