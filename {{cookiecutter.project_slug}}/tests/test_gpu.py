@@ -487,11 +487,11 @@ print(json.dumps({"cap": cap, "loaded": loaded, "reserved": reserved, "peak": to
 def test_preprocess_on_the_gpu_resizes_a_batch_in_parts_as_each_image_alone():
     """A batch of 500x375 JPEGs spanning three resize parts (stages.RESIZE_PART_PIXELS), with an odd-sized image in
     the first, so that the first part's slots are not contiguous: on the GPU every image gets what it gets alone."""
-    side = round(375 * 224 / 256)
+    stage = Preprocess("cuda:0", torch.float16)
+    side = stage.center_square(torch.empty(3, 375, 500)).shape[-1]  # of a 500x375 image
     per_part = RESIZE_PART_PIXELS // side**2
     images = [make_image(400 + k, size=(500, 375)) for k in range(2 * per_part + 3)]
     images.insert(per_part - 1, make_image(99, size=(320, 240)))
-    stage = Preprocess("cuda:0", torch.float16)
     batch = stage(images)
     assert batch.shape == (len(images), 3, 224, 224)
     for k, image in enumerate(images):

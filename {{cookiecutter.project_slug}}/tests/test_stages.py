@@ -134,7 +134,7 @@ def test_a_chunk_resized_in_parts_gives_each_image_what_it_gives_alone():
     alone; a chunk of three parts, with an odd-sized image in the first so that its slots are not contiguous,
     resized as a GPU does it (here on the CPU), gives every image what it gives alone, in its own slot."""
     stage = Preprocess()
-    side = round(375 * 224 / 256)  # the center square of a 500x375 image
+    side = stage.center_square(torch.empty(3, 375, 500)).shape[-1]  # of a 500x375 image
     per_part = RESIZE_PART_PIXELS // side**2
     squares = [(k, torch.zeros(3, side, side, dtype=torch.uint8)) for k in range(2 * per_part + 3)]
     parts = list(stage._resize_parts(squares))
