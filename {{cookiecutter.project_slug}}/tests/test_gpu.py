@@ -36,7 +36,7 @@ import tritonclient.grpc as grpcclient
 from conftest import PROJECT, image_input, infer, make_image
 from tritonclient.grpc import model_config_pb2
 
-from {{ cookiecutter.package_name }} import mps
+from {{ cookiecutter.package_name }} import mps, stages
 from {{ cookiecutter.package_name }}.model_repository import (
     load_config,
     parameters,
@@ -496,6 +496,30 @@ def test_preprocess_on_the_gpu_resizes_a_batch_in_parts_as_each_image_alone():
     assert batch.shape == (len(images), 3, 224, 224)
     for k, image in enumerate(images):
         torch.testing.assert_close(batch[k], stage([image])[0], msg=f"slot {k}")
+
+
+def test_preprocess_on_the_gpu_resizes_a_large_square_in_strips(monkeypatch):
+    """A 6000x4000 JPEG (at the decode budget, so still decoded on the GPU) has a center square of 12 M pixels,
+    147 MB as float: it goes to float a strip at a time (stages.resize_in_strips), so the stage holds less than the
+    decoded image and that whole float copy together (before the strips it held both and a uint8 copy of the
+    square), and it gives what one resize of the whole square gives."""
+    stage = Preprocess("cuda:0", torch.float16)
+    width, height = 6000, 4000
+    assert width * height <= stage.decode_budget_pixels
+    image = make_image(7, size=(width, height))
+    stage([image])  # nvJPEG's and the kernels' setup
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(0)
+    before = torch.cuda.memory_allocated(0)
+    in_strips = stage([image])
+    torch.cuda.synchronize()
+    held = torch.cuda.max_memory_allocated(0) - before
+    side = stage.center_square(torch.empty(3, height, width)).shape[-1]
+    whole = width * height * 3 + side * side * 3 * 4
+    print(f"held {held / 2**20:.0f} MiB at most; the decoded image and its square as float: {whole / 2**20:.0f} MiB")
+    assert held < whole
+    monkeypatch.setattr(stages, "RESIZE_PART_PIXELS", 10**9)  # the whole square at once
+    torch.testing.assert_close(in_strips, stage([image]))
 
 
 def test_preprocess_gpu_memory_plateaus_under_its_cap(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import make_image, png_header
 from PIL import Image
+from torchvision.transforms import v2
 
 from {{ cookiecutter.package_name }}.model_repository import load_config, resnet_weights, top_k
 from {{ cookiecutter.package_name }}.stages import (
@@ -21,6 +22,7 @@ from {{ cookiecutter.package_name }}.stages import (
     _Image,
     imagenet_labels,
     inspect_image,
+    resize_in_strips,
 )
 from {{ cookiecutter.package_name }}.weights import write_random
 
@@ -154,6 +156,17 @@ def test_a_chunk_resized_in_parts_gives_each_image_what_it_gives_alone():
         alone = torch.empty((1, 3, 224, 224), dtype=torch.uint8)
         stage._decode_and_resize([(0, item)], alone, errors)
         torch.testing.assert_close(together[k], alone[0], msg=f"slot {k}")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_a_square_resized_in_strips_is_the_square_resized_at_once(rows):
+    """`resize_in_strips` (on a GPU, a square over RESIZE_PART_PIXELS: its float copy a strip of rows at a time)
+    gives what one antialiased resize of the whole square as float gives, whether the strips are one row, a few
+    rows that do not divide the side, or the whole square; on a square that is not a multiple of anything."""
+    square = torch.randint(0, 256, (3, 301, 301), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    for size in (224, 24):
+        at_once = v2.functional.resize(square.float().unsqueeze(0), [size, size], antialias=True)[0]
+        torch.testing.assert_close(resize_in_strips(square, size, strip_pixels=301 * rows), at_once)
 
 
 def test_postprocess_top_k_is_sorted_probabilities_with_labels():

@@ -12,7 +12,10 @@ used memory from `nvidia-smi --query-compute-apps` once it settles. Variants:
 - torch-eager: CUDA_MODULE_LOADING=EAGER (every kernel of torch loaded at context creation);
 - postprocess: torch + the top-k stage warmed at batch 1 and 128;
 - resnet / resnet-empty-cache: the Classifier (resnet50 fp16, batch 128, CUDA graphs), then empty_cache();
-- preprocess / preprocess-budget-16M: Preprocess fp16 with own_gpu_memory(128) at the decode budget given.
+- preprocess / preprocess-budget-16M: Preprocess fp16 with own_gpu_memory(128) at the decode budget given;
+- preprocess-photos: `preprocess`, then 40 batches of 16 photo-size JPEGs (500x375 to 6000x4000, the decode budget),
+  timed; its "ready" line adds torch's reserved memory, before and after, and the ms a batch. PROBE_STAGES=FILE
+  takes the stages from that file (another commit's stages.py) instead of the installed package's.
 """
 
 from __future__ import annotations
@@ -70,11 +73,13 @@ def child(variant: str) -> None:
             if "empty-cache" in variant:
                 torch.cuda.empty_cache()
         if variant.startswith("preprocess"):
-            from image_classifier.stages import Preprocess
-
-            budget = 16_000_000 if "budget-16M" in variant else 64_000_000
-            pre = Preprocess("cuda:0", torch.float16, decode_budget_pixels=budget)
+            stages = _stages()
+            budget = 16_000_000 if "budget-16M" in variant else stages.DECODE_BUDGET_PIXELS
+            pre = stages.Preprocess("cuda:0", torch.float16, decode_budget_pixels=budget)
             pre.own_gpu_memory(128)
+            if variant == "preprocess-photos":
+                print("ready", json.dumps(_photos(pre)), flush=True)
+                time.sleep(600)
         if "-stack-" in variant:
             size = int(variant.rsplit("-", 1)[1])
             cuda = ctypes.CDLL("libcuda.so.1")
@@ -90,6 +95,55 @@ def child(variant: str) -> None:
         torch.cuda.synchronize()
     print("ready", flush=True)
     time.sleep(600)
+
+
+def _stages():
+    if not os.environ.get("PROBE_STAGES"):
+        from image_classifier import stages
+
+        return stages
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("probe_stages", os.environ["PROBE_STAGES"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _photos(pre) -> dict:
+    """40 batches of 16 JPEGs drawn from photo sizes up to the decode budget: torch's memory and the ms a batch."""
+    import io
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    def jpeg(w, h):
+        y, x = np.mgrid[0:h, 0:w] / max(w, h)
+        rgb = np.stack([x, y, 0.5 + 0.5 * np.sin(6 * x) * np.cos(4 * y)], axis=-1) * 255
+        out = io.BytesIO()
+        Image.fromarray(rgb.astype(np.uint8)).save(out, format="JPEG", quality=90)
+        return out.getvalue()
+
+    sizes = [(500, 375), (1920, 1080), (4032, 3024), (4000, 3000), (6000, 4000)]
+    pool = [jpeg(w, h) for w, h in sizes]
+    rng = np.random.default_rng(0)
+    torch.cuda.synchronize()
+    loaded = torch.cuda.memory_reserved(0)
+    torch.cuda.reset_peak_memory_stats(0)
+    start = time.perf_counter()
+    for _ in range(40):
+        pre([pool[i] for i in rng.integers(0, len(pool), 16)])
+        torch.cuda.synchronize()
+    ms = (time.perf_counter() - start) * 1000 / 40
+    mib = 1 << 20
+    return {
+        "reserved_loaded_mib": loaded // mib,
+        "reserved_after_mib": torch.cuda.memory_reserved(0) // mib,
+        "peak_reserved_mib": torch.cuda.max_memory_reserved(0) // mib,
+        "peak_allocated_mib": torch.cuda.max_memory_allocated(0) // mib,
+        "ms_a_batch": round(ms, 1),
+    }
 
 
 def used_mib() -> dict[int, int]:
@@ -110,7 +164,9 @@ def measure(env: dict, variants: list[str]) -> dict[str, int]:
         p = subprocess.Popen([sys.executable, __file__, "--child", variant], env=e, stdout=subprocess.PIPE, text=True)
         line = p.stdout.readline().strip()
         time.sleep(1.5)
-        results[variant] = used_mib().get(p.pid, -1) if line == "ready" else -2
+        results[variant] = used_mib().get(p.pid, -1) if line.startswith("ready") else -2
+        if line.startswith("ready "):  # preprocess-photos: what it measured itself
+            results[variant] = {"nvml_mib": results[variant], **json.loads(line[6:])}
         p.kill()
         p.wait()
         print(variant, results[variant], "MiB", flush=True)
@@ -121,8 +177,11 @@ def main() -> None:
     out, only = sys.argv[1], sys.argv[2:]  # probe OUT.json [VARIANT ...]: those variants alone, under MPS
     from image_classifier import mps
 
-    report = {"gpu": subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                                    capture_output=True, text=True).stdout.strip()}
+    report = {
+        "gpu": subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.strip()
+    }
     if not only:
         report["no_mps"] = measure(dict(os.environ), VARIANTS[:4])
     daemon, status = mps.start([0])
@@ -192,8 +251,12 @@ def server_memory(counts: dict[str, int], seconds: float = 20) -> dict:
         with ThreadPoolExecutor(64) as pool:
             list(pool.map(loop, range(64)))
         loaded_after = snapshot()
-        return {"counts": counts, "after_load": loaded, "after_load_and_traffic": loaded_after,
-                "img_s": round(done[0] / seconds)}
+        return {
+            "counts": counts,
+            "after_load": loaded,
+            "after_load_and_traffic": loaded_after,
+            "img_s": round(done[0] / seconds),
+        }
     finally:
         server.stop()
 
@@ -201,8 +264,10 @@ def server_memory(counts: dict[str, int], seconds: float = 20) -> dict:
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "--server":
     os.chdir(sys.argv[3])  # the baked project's root: benchmarks/ imports from there
     sys.path.insert(0, sys.argv[3])
-    result = {c: server_memory(dict(zip(("pipeline", "preprocess", "resnet", "postprocess"), map(int, c.split("/")))))
-              for c in sys.argv[4:]}
+    result = {
+        c: server_memory(dict(zip(("pipeline", "preprocess", "resnet", "postprocess"), map(int, c.split("/")))))
+        for c in sys.argv[4:]
+    }
     with open(sys.argv[2], "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))

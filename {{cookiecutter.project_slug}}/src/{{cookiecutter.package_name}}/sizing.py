@@ -54,7 +54,7 @@ CONTEXT_BYTES = 348 * MiB  # a stub's context, stack trimmed, once a torch kerne
 SERVER_BYTES = 530 * MiB  # tritonserver without its CUDA memory pool
 POSTPROCESS_BYTES = 16 * MiB  # the top-k's kernels and buffers, beside the context
 PREPROCESS_BYTES = 362 * MiB  # beside the context, nvJPEG's buffers included (710 MiB a stub in all), at ...
-PREPROCESS_PEAK_BYTES = 675_376_050  # ... the peak stages.preprocess_peak_bytes() gives for the defaults
+PREPROCESS_PEAK_BYTES = 420_245_760  # ... the peak stages.preprocess_peak_bytes() gives for the defaults
 RESNET50_BYTES = 990 * MiB  # beside the context: weights, the CUDA graphs' activations, cuDNN's workspace
 OTHER_STAGE_BYTES = 256 * MiB  # a model this file does not know, beside its context
 # The ResNets' activations relative to resnet50's at the same batch (basic blocks carry 64-512 channels where

@@ -58,7 +58,7 @@ def inspect_image(data: bytes, max_pixels: int) -> tuple[str, int, int]:
 # larger than this (up to max_image_pixels) is decoded and resized on the host, reduced while it decodes.
 DECODE_BUDGET_PIXELS = 24_000_000
 # Center squares converted to float and resized at once (Preprocess._resize_parts): 37 squares of a 500x375 JPEG.
-# A larger square goes alone.
+# A larger square goes alone, its float copy made a strip of this many pixels at a time (resize_in_strips).
 RESIZE_PART_PIXELS = 4_000_000
 
 
@@ -72,14 +72,14 @@ def preprocess_peak_bytes(
     """The most GPU memory one batch of `max_batch_size` images can hold in Preprocess.
 
     One decode chunk (at most the decode budget: a larger image never reaches the GPU at full size): its RGB
-    images (uint8), and one part of their center squares at a time (`RESIZE_PART_PIXELS`, or one square larger
-    than that: at most (crop/resize)^2 of the budget) stacked as uint8 and as float, with the part's resized float
-    pixels (the antialiased resize needs no buffer of its own on a contiguous input); the batch's resized float
-    pixels, normalized in place, and their cast to the output dtype. A quarter more for the caching allocator's
-    rounding. Also what `serve` budgets for a preprocess instance (sizing.py)."""
-    squares = min(1.0, (crop / resize) ** 2)
-    part = max(RESIZE_PART_PIXELS, int(decode_budget_pixels * squares))
-    chunk = decode_budget_pixels * 3 + part * 3 * (1 + 4)
+    images (uint8), and one part of their center squares at a time (`RESIZE_PART_PIXELS`) stacked as uint8 and as
+    float, with the part's resized float pixels (the antialiased resize needs no buffer of its own on a contiguous
+    input), or the strips of one larger square (`resize_in_strips`: a part's worth of float pixels, and the square
+    resized across, at most (crop/resize)^2 of the budget tall); the batch's resized float pixels, normalized in
+    place, and their cast to the output dtype. A quarter more for the caching allocator's rounding. Also what
+    `serve` budgets for a preprocess instance (sizing.py)."""
+    side = math.isqrt(int(decode_budget_pixels * min(1.0, (crop / resize) ** 2)))  # the largest center square
+    chunk = decode_budget_pixels * 3 + RESIZE_PART_PIXELS * 3 * (1 + 4) + side * crop * 3 * 4
     pixels = max_batch_size * 3 * crop**2 * (4 + 4 + dtype_bytes)
     return (chunk + pixels) * 5 // 4
 
@@ -147,11 +147,9 @@ class Preprocess:
         Without the second step memory climbs under traffic in steps: each batch larger than any before makes the
         caching allocator reserve bigger blocks and nvJPEG grow its own buffers (which the cap does not cover),
         60-100 MiB at a time, until the worst batch has been seen (measured in an H200 soak). After it, batches of
-        such images fit in what is already held: 710 MiB a stub at the defaults, context included. One image near
-        the decode budget alone needs more at once (its center square as float: 220 MB at 24 M pixels, where a
-        batch's squares go a part at a time); the cap bounds that, and past 0.6 of the cap the allocator gives
-        unused blocks back (`cap_gpu_memory`), so such an image raises a stub's memory for a while: its torch
-        memory up to the cap (0.63 GiB at the defaults), beside the context and nvJPEG's buffers.
+        such images fit in what is already held: 710 MiB a stub at the defaults, context included. A larger image
+        needs about as much at once, not more: up to the decode budget it is decoded alone, and its center square
+        goes to float a strip at a time (`resize_in_strips`), a part's worth of pixels, as the batch's squares do.
         """
         cap_gpu_memory(self.device, self.peak_gpu_bytes(max_batch_size))
         each = max(1, self.decode_budget_pixels // max(1, max_batch_size))
@@ -186,7 +184,7 @@ class Preprocess:
             image = self._decode_on_host(item.data, item.width, item.height)
         else:
             image = self._decode_with_pillow(item.data, short_side=self.resize)
-        return self._resize(self.center_square(image).unsqueeze(0).contiguous())[0]
+        return self._resize([self.center_square(image)])[0]
 
     def _decode_jpegs_on_gpu(self, encoded: list[torch.Tensor]) -> list[torch.Tensor]:
         # torchvision's CUDA decoder can write into memory that work still queued on this stream reads
@@ -223,11 +221,16 @@ class Preprocess:
         top, left = (height - side) // 2, (width - side) // 2
         return image[..., top : top + side, left : left + side]
 
-    def _resize(self, squares: torch.Tensor) -> torch.Tensor:
-        """[n, 3, s, s] uint8 -> [n, 3, crop, crop], antialiased bilinear (uint8 on the CPU: its fast path)."""
-        if squares.is_cuda:
-            squares = squares.float()
-        return v2.functional.resize(squares, [self.crop, self.crop], antialias=True)
+    def _resize(self, squares: list[torch.Tensor]) -> torch.Tensor:
+        """Same-size [3, s, s] uint8 squares -> [n, 3, crop, crop], antialiased bilinear: in uint8 on the CPU (its
+        fast path), in float on a GPU, where one square over `RESIZE_PART_PIXELS` goes in strips (`resize_in_strips`),
+        so that its float copy is never held whole."""
+        size = [self.crop, self.crop]
+        if not squares[0].is_cuda:
+            return v2.functional.resize(torch.stack(squares), size, antialias=True)
+        if len(squares) == 1 and squares[0].shape[-1] ** 2 > RESIZE_PART_PIXELS:
+            return resize_in_strips(squares[0], self.crop, RESIZE_PART_PIXELS).unsqueeze(0)
+        return v2.functional.resize(torch.stack(squares).float(), size, antialias=True)
 
     def batch(self, groups: list[list[bytes]]) -> list[torch.Tensor | InvalidImage]:
         """Preprocess several requests at once: one result per group, pixels or the group's first error.
@@ -283,7 +286,7 @@ class Preprocess:
         for squares in same_size.values():
             for part in self._resize_parts(squares):
                 slots = [slot for slot, _ in part]
-                out = self._resize(torch.stack([square for _, square in part]))
+                out = self._resize([square for _, square in part])
                 if slots == list(range(slots[0], slots[-1] + 1)):
                     resized[slots[0] : slots[-1] + 1] = out
                 else:
@@ -341,6 +344,19 @@ class Preprocess:
         if isinstance(result, InvalidImage):
             raise result
         return result
+
+
+def resize_in_strips(square: torch.Tensor, size: int, strip_pixels: int) -> torch.Tensor:
+    """A [3, s, s] uint8 square -> [3, size, size] float: what one antialiased bilinear resize of its float copy
+    gives, up to float rounding, while at most `strip_pixels` of that copy are held at a time. Strips of rows are
+    converted and resized across (each row on its own), then the [3, s, size] result is resized down: the filter
+    is separable, and a resize that keeps a side leaves that side as it is."""
+    rows = max(1, strip_pixels // square.shape[-1])
+    across = torch.empty((3, square.shape[-2], size), dtype=torch.float32, device=square.device)
+    for top in range(0, square.shape[-2], rows):
+        strip = square[:, top : top + rows].float()
+        across[:, top : top + rows] = v2.functional.resize(strip, [strip.shape[-2], size], antialias=True)
+    return v2.functional.resize(across, [size, size], antialias=True)
 
 
 def cap_gpu_memory(device: torch.device, cap_bytes: int, reclaim_at: float = 0.6) -> None:
