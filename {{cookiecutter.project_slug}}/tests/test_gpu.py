@@ -500,9 +500,10 @@ def test_preprocess_on_the_gpu_resizes_a_batch_in_parts_as_each_image_alone():
 
 def test_preprocess_on_the_gpu_resizes_a_large_square_in_strips(monkeypatch):
     """A 6000x4000 JPEG (at the decode budget, so still decoded on the GPU) has a center square of 12 M pixels,
-    147 MB as float: it goes to float a strip at a time (stages.resize_in_strips), so the stage holds less than the
-    decoded image and that whole float copy together (before the strips it held both and a uint8 copy of the
-    square), and it gives what one resize of the whole square gives."""
+    147 MB as float: it goes to float a strip at a time (stages.resize_in_strips), so the stage holds the decoded
+    image, one strip (not two: each is freed before the next is made) and the square resized across, well under
+    that whole float copy (before the strips it held the image, the float copy and a uint8 copy of the square),
+    and it gives what one resize of the whole square gives."""
     stage = Preprocess("cuda:0", torch.float16)
     width, height = 6000, 4000
     assert width * height <= stage.decode_budget_pixels
@@ -516,10 +517,45 @@ def test_preprocess_on_the_gpu_resizes_a_large_square_in_strips(monkeypatch):
     held = torch.cuda.max_memory_allocated(0) - before
     side = stage.center_square(torch.empty(3, height, width)).shape[-1]
     whole = width * height * 3 + side * side * 3 * 4
-    print(f"held {held / 2**20:.0f} MiB at most; the decoded image and its square as float: {whole / 2**20:.0f} MiB")
-    assert held < whole
+    one_strip = width * height * 3 + RESIZE_PART_PIXELS * 3 * 4 * 3 // 2 + side * stage.crop * 3 * 4
+    print(
+        f"held {held / 2**20:.0f} MiB at most; the decoded image, 1.5 strips and the square resized across: "
+        f"{one_strip / 2**20:.0f} MiB; the decoded image and its square as float: {whole / 2**20:.0f} MiB"
+    )
+    assert held < one_strip < whole
     monkeypatch.setattr(stages, "RESIZE_PART_PIXELS", 10**9)  # the whole square at once
     torch.testing.assert_close(in_strips, stage([image]))
+
+
+SMALLEST_CAP = """
+import io, json, math
+import numpy as np, torch
+from PIL import Image
+from {{ cookiecutter.package_name }}.stages import Preprocess
+
+stage = Preprocess("cuda:0", torch.float16)
+stage.own_gpu_memory(1)  # as a stub of max_batch_size 1 at load: the cap's smallest, a budget-size warm-up image
+side = math.isqrt(stage.decode_budget_pixels)  # the largest center square a budget's image holds
+y, x = np.mgrid[0:side, 0:side] / side
+out = io.BytesIO()
+Image.fromarray((np.stack([x, y, x * y], axis=-1) * 255).astype(np.uint8)).save(out, format="JPEG")
+for _ in range(3):
+    assert stage([out.getvalue()]).shape == (1, 3, 224, 224)
+torch.cuda.synchronize()
+print(json.dumps({"cap": stage.peak_gpu_bytes(1), "peak": torch.cuda.max_memory_reserved(0), "side": side}))
+"""
+
+
+def test_preprocess_at_max_batch_1_serves_the_largest_square_under_its_cap(tmp_path):
+    """At max_batch_size 1 the preprocess stub's cap is at its smallest (stages.preprocess_peak_bytes: 173 MiB at
+    the defaults), and its square images are the largest: the warm-up's own image fills the decode budget, and a
+    square JPEG of the budget's pixels gives the largest center square, resized in strips. In a process of its own
+    as in a stub: the warm-up and that image succeed, and reserved memory stays within the cap."""
+    run = subprocess.run([sys.executable, "-c", SMALLEST_CAP], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    print(f"cap {result['cap'] / 2**20:.0f} MiB; peak reserved {result['peak'] / 2**20:.0f} MiB; {result['side']}^2")
+    assert result["peak"] <= result["cap"]
 
 
 def test_preprocess_gpu_memory_plateaus_under_its_cap(tmp_path):

@@ -12,7 +12,8 @@ used memory from `nvidia-smi --query-compute-apps` once it settles. Variants:
 - torch-eager: CUDA_MODULE_LOADING=EAGER (every kernel of torch loaded at context creation);
 - postprocess: torch + the top-k stage warmed at batch 1 and 128;
 - resnet / resnet-empty-cache: the Classifier (resnet50 fp16, batch 128, CUDA graphs), then empty_cache();
-- preprocess / preprocess-budget-16M: Preprocess fp16 with own_gpu_memory(128) at the decode budget given;
+- preprocess / preprocess-budget-16M: Preprocess fp16 with own_gpu_memory(128) at the decode budget given (the
+  default, 24 M pixels, since 3bcf9b2; probe-*.json files before it ran `preprocess` at 64 M);
 - preprocess-photos: `preprocess`, then 40 batches of 16 photo-size JPEGs (500x375 to 6000x4000, the decode budget),
   timed; its "ready" line adds torch's reserved memory, before and after, and the ms a batch. PROBE_STAGES=FILE
   takes the stages from that file (another commit's stages.py) instead of the installed package's.

@@ -352,11 +352,14 @@ def resize_in_strips(square: torch.Tensor, size: int, strip_pixels: int) -> torc
     gives, up to float rounding, while at most `strip_pixels` of that copy are held at a time. Strips of rows are
     converted and resized across (each row on its own), then the [3, s, size] result is resized down: the filter
     is separable, and a resize that keeps a side leaves that side as it is."""
+    height = square.shape[-2]
     rows = max(1, strip_pixels // square.shape[-1])
-    across = torch.empty((3, square.shape[-2], size), dtype=torch.float32, device=square.device)
-    for top in range(0, square.shape[-2], rows):
-        strip = square[:, top : top + rows].float()
-        across[:, top : top + rows] = v2.functional.resize(strip, [strip.shape[-2], size], antialias=True)
+    across = torch.empty((3, height, size), dtype=torch.float32, device=square.device)
+    for top in range(0, height, rows):  # the strip is not named: it is freed before the next one is made
+        strip_rows = min(rows, height - top)
+        across[:, top : top + rows] = v2.functional.resize(
+            square[:, top : top + rows].float(), [strip_rows, size], antialias=True
+        )
     return v2.functional.resize(across, [size, size], antialias=True)
 
 
