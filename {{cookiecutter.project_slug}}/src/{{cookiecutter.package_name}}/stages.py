@@ -355,11 +355,9 @@ def resize_in_strips(square: torch.Tensor, size: int, strip_pixels: int) -> torc
     height = square.shape[-2]
     rows = max(1, strip_pixels // square.shape[-1])
     across = torch.empty((3, height, size), dtype=torch.float32, device=square.device)
-    for top in range(0, height, rows):  # the strip is not named: it is freed before the next one is made
-        strip_rows = min(rows, height - top)
-        across[:, top : top + rows] = v2.functional.resize(
-            square[:, top : top + rows].float(), [strip_rows, size], antialias=True
-        )
+    for top in range(0, height, rows):
+        strip = square[:, top : top + rows]  # a view; its float copy is not named, so it is freed before the next
+        across[:, top : top + rows] = v2.functional.resize(strip.float(), [strip.shape[-2], size], antialias=True)
     return v2.functional.resize(across, [size, size], antialias=True)
 
 
