@@ -11,6 +11,7 @@ import sys
 
 import pytest
 from conftest import PROJECT
+from tritonclient.grpc import model_config_pb2
 
 from {{ cookiecutter.package_name }} import sizing
 from {{ cookiecutter.package_name }}.model_repository import (
@@ -231,3 +232,32 @@ def test_the_preprocess_cost_is_scaled_from_the_peak_it_was_measured_at():
     from {{ cookiecutter.package_name }}.stages import preprocess_peak_bytes
 
     assert sizing.PREPROCESS_PEAK_BYTES == preprocess_peak_bytes(128, 224, 2)
+
+
+@pytest.mark.parametrize(
+    "max_batch_size, dtype", [(1, "FP16"), (8, "FP32"), (64, "FP16"), (128, "FP16"), (128, "FP32")]
+)
+def test_a_smaller_max_batch_keeps_the_preprocess_cost_that_does_not_follow_it(repository, max_batch_size, dtype):
+    """At the defaults it was measured at (max batch 128, fp16) the cost is the measured one, and a larger peak
+    (fp32) scales it by torch's cap. A smaller max batch lowers the cap, but the warm-up's budget-size image fills a
+    small cap, and nvJPEG's buffers and the kernels stay: the cost is that fixed part plus torch's measured share or
+    the whole cap, whichever is less (scaling alone would count 156 MiB at max batch 1, for a cap of 173 MiB and the
+    fixed part)."""
+    from {{ cookiecutter.package_name }}.stages import preprocess_peak_bytes
+
+    config = load_config(repository / "preprocess")
+    config.max_batch_size = max_batch_size
+    config.output[0].data_type = model_config_pb2.DataType.Value(f"TYPE_{dtype}")
+    save_config(repository / "preprocess", config)
+    cost = sizing.instance_bytes("preprocess", load_configs(repository)) - sizing.CONTEXT_BYTES
+    peak = preprocess_peak_bytes(max_batch_size, 224, 4 if dtype == "FP32" else 2)
+    fixed, share = sizing.PREPROCESS_BYTES - sizing.PREPROCESS_TORCH_BYTES, sizing.PREPROCESS_TORCH_BYTES
+    expected = {
+        (1, "FP16"): fixed + peak,  # the cap (173 MiB) is below torch's measured share
+        (8, "FP32"): fixed + peak,
+        (64, "FP16"): fixed + share,
+        (128, "FP16"): sizing.PREPROCESS_BYTES,
+        (128, "FP32"): sizing.PREPROCESS_BYTES * peak // sizing.PREPROCESS_PEAK_BYTES,
+    }
+    assert cost == expected[max_batch_size, dtype]
+    assert peak < share if max_batch_size <= 8 else peak > share

@@ -16,7 +16,8 @@ used memory from `nvidia-smi --query-compute-apps` once it settles. Variants:
   default, 24 M pixels, since 3bcf9b2; probe-*.json files before it ran `preprocess` at 64 M);
 - preprocess-photos: `preprocess`, then 40 batches of 16 photo-size JPEGs (500x375 to 6000x4000, the decode budget),
   timed; its "ready" line adds torch's reserved memory, before and after, and the ms a batch. PROBE_STAGES=FILE
-  takes the stages from that file (another commit's stages.py) instead of the installed package's.
+  takes the stages from that file (another commit's stages.py) instead of the installed package's;
+- preprocess-photos-mb-N: the same at max batch N (its cap and warm-up), the photos N at a time (at most 16).
 """
 
 from __future__ import annotations
@@ -77,9 +78,10 @@ def child(variant: str) -> None:
             stages = _stages()
             budget = 16_000_000 if "budget-16M" in variant else stages.DECODE_BUDGET_PIXELS
             pre = stages.Preprocess("cuda:0", torch.float16, decode_budget_pixels=budget)
-            pre.own_gpu_memory(128)
-            if variant == "preprocess-photos":
-                print("ready", json.dumps(_photos(pre)), flush=True)
+            batch = int(variant.rsplit("-mb-", 1)[1]) if "-mb-" in variant else 128
+            pre.own_gpu_memory(batch)
+            if variant.startswith("preprocess-photos"):
+                print("ready", json.dumps(_photos(pre, min(16, batch))), flush=True)
                 time.sleep(600)
         if "-stack-" in variant:
             size = int(variant.rsplit("-", 1)[1])
@@ -111,8 +113,8 @@ def _stages():
     return module
 
 
-def _photos(pre) -> dict:
-    """40 batches of 16 JPEGs drawn from photo sizes up to the decode budget: torch's memory and the ms a batch."""
+def _photos(pre, batch: int = 16) -> dict:
+    """40 batches of `batch` JPEGs drawn from photo sizes up to the decode budget: torch's memory and the ms a batch."""
     import io
 
     import numpy as np
@@ -134,7 +136,7 @@ def _photos(pre) -> dict:
     torch.cuda.reset_peak_memory_stats(0)
     start = time.perf_counter()
     for _ in range(40):
-        pre([pool[i] for i in rng.integers(0, len(pool), 16)])
+        pre([pool[i] for i in rng.integers(0, len(pool), batch)])
         torch.cuda.synchronize()
     ms = (time.perf_counter() - start) * 1000 / 40
     mib = 1 << 20

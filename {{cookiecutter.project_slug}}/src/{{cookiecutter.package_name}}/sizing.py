@@ -53,8 +53,9 @@ MAX_MPS_CLIENTS = MAX_CLIENTS  # per GPU, NVIDIA's documented limit for Volta an
 CONTEXT_BYTES = 348 * MiB  # a stub's context, stack trimmed, once a torch kernel has run (the pipeline's: 254)
 SERVER_BYTES = 530 * MiB  # tritonserver without its CUDA memory pool
 POSTPROCESS_BYTES = 16 * MiB  # the top-k's kernels and buffers, beside the context
-PREPROCESS_BYTES = 362 * MiB  # beside the context, nvJPEG's buffers included (710 MiB a stub in all), at ...
-PREPROCESS_PEAK_BYTES = 420_245_760  # ... the peak stages.preprocess_peak_bytes() gives for the defaults
+PREPROCESS_BYTES = 362 * MiB  # beside the context (710 MiB a stub in all), at the defaults, whose ...
+PREPROCESS_PEAK_BYTES = 420_245_760  # ... torch cap (stages.preprocess_peak_bytes()) this is, of which ...
+PREPROCESS_TORCH_BYTES = 250 * MiB  # ... torch held this after the warm-up; the rest (nvJPEG, kernels) is fixed
 RESNET50_BYTES = 990 * MiB  # beside the context: weights, the CUDA graphs' activations, cuDNN's workspace
 OTHER_STAGE_BYTES = 256 * MiB  # a model this file does not know, beside its context
 # The ResNets' activations relative to resnet50's at the same batch (basic blocks carry 64-512 channels where
@@ -162,6 +163,16 @@ def _pixels_bytes(configs) -> int:
     return bytes_per_element(tensor_datatype(pixels[0])) if pixels else 2
 
 
+def preprocess_bytes(peak: int) -> int:
+    """What a preprocess stub whose torch cap is `peak` holds beside its context: the measured cost scaled by the
+    peak, but with a smaller peak (a smaller max batch) never less than the part that does not follow the batch
+    (nvJPEG's buffers, the kernels) plus torch's measured share or the whole cap, whichever is less. The warm-up's
+    budget-size image fills a small cap where it left room in the default one: at max batch 1 the cap is 173 MiB,
+    and scaling alone would count 156 MiB for all of it."""
+    scaled = PREPROCESS_BYTES * peak // PREPROCESS_PEAK_BYTES
+    return max(scaled, PREPROCESS_BYTES - PREPROCESS_TORCH_BYTES + min(peak, PREPROCESS_TORCH_BYTES))
+
+
 def instance_bytes(name: str, configs: dict, on_gpu: bool = True) -> int:
     """What one instance of model `name` holds: GPU bytes (on_gpu), else resident host bytes."""
     config = configs[name]
@@ -184,7 +195,7 @@ def instance_bytes(name: str, configs: dict, on_gpu: bool = True) -> int:
 
         params = {key: value.string_value for key, value in config.parameters.items()}
         peak = preprocess_peak_bytes(batch, int(params.get("crop", 224)), _pixels_bytes(configs))
-        return CONTEXT_BYTES + PREPROCESS_BYTES * peak // PREPROCESS_PEAK_BYTES
+        return CONTEXT_BYTES + preprocess_bytes(peak)
     if name == "resnet":
         variant = _parameter(config, "variant") or "resnet50"
         dtype = _pixels_bytes(configs)
