@@ -239,10 +239,9 @@ def test_the_preprocess_cost_is_scaled_from_the_peak_it_was_measured_at():
 )
 def test_a_smaller_max_batch_keeps_the_preprocess_cost_that_does_not_follow_it(repository, max_batch_size, dtype):
     """At the defaults it was measured at (max batch 128, fp16) the cost is the measured one, and a larger peak
-    (fp32) scales it by torch's cap. A smaller max batch lowers the cap, but the warm-up's budget-size image fills a
-    small cap, and nvJPEG's buffers and the kernels stay: the cost is that fixed part plus torch's measured share or
-    the whole cap, whichever is less (scaling alone would count 156 MiB at max batch 1, for a cap of 173 MiB and the
-    fixed part)."""
+    (fp32) scales it by torch's cap. A smaller max batch lowers the cap, but nvJPEG's buffers and the kernels do not
+    shrink with it: the cost is that fixed part plus torch's measured share or the whole cap, whichever is less
+    (scaling alone counted 89 MiB less than a stub held at max batch 8: sizing.preprocess_bytes)."""
     from {{ cookiecutter.package_name }}.stages import preprocess_peak_bytes
 
     config = load_config(repository / "preprocess")
