@@ -391,7 +391,7 @@ def run_baked_tests(project: Path, *pytest_args: str, as_generated: bool = True)
         text=True,
         timeout=1800,
     )
-    print(result.stdout[-6000:], result.stderr[-3000:])
+    print(result.stdout if result.returncode else result.stdout[-6000:], result.stderr[-3000:])  # all of a failure
     return result
 
 
