@@ -227,8 +227,9 @@ def test_a_count_costs_every_loaded_version_as_recipe_3_keeps_two_resnets(reposi
 
 def test_the_preprocess_cost_is_scaled_from_the_peak_it_was_measured_at():
     """sizing.PREPROCESS_BYTES was measured at the defaults (max batch 128, crop 224, fp16), whose peak is
-    PREPROCESS_PEAK_BYTES; a config's preprocess cost is scaled by its own peak against that one. A change to
-    stages.preprocess_peak_bytes must restate the constant (and re-measure the stub)."""
+    PREPROCESS_PEAK_BYTES; a config's preprocess cost follows its own peak against that one
+    (sizing.preprocess_bytes). A change to stages.preprocess_peak_bytes must restate the constant (and re-measure
+    the stub)."""
     from {{ cookiecutter.package_name }}.stages import preprocess_peak_bytes
 
     assert sizing.PREPROCESS_PEAK_BYTES == preprocess_peak_bytes(128, 224, 2)
