@@ -82,6 +82,7 @@ src/image_classifier/__init__.py
 src/image_classifier/admin_key.py
 src/image_classifier/cli.py
 src/image_classifier/client.py
+src/image_classifier/compiled.py
 src/image_classifier/console.py
 src/image_classifier/health.py
 src/image_classifier/model_repository.py
@@ -96,6 +97,7 @@ src/image_classifier/stub_deaths.py
 src/image_classifier/weights.py
 tests/conftest.py
 tests/test_cli.py
+tests/test_compiled.py
 tests/test_customizing.py
 tests/test_e2e.py
 tests/test_gpu.py

@@ -137,6 +137,7 @@ def bench_repository(workdir: Path) -> Path:
 def bench_server(repository: Path, log_path: Path, pool_bytes: int | None = None, mps: bool = True):
     """The project's own tritonserver (same flags as `serve`, CUDA MPS on a GPU unless `mps` is False) on free
     ports, optionally with another pool size. `server.mps_status` says whether MPS is on."""
+    from {{ cookiecutter.package_name }}.compiled import compile_for_serve
     from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer, visible_gpus
 
     class BenchServer(TritonServer):
@@ -147,6 +148,7 @@ def bench_server(repository: Path, log_path: Path, pool_bytes: int | None = None
             return argv, env
 
     settings = ServerSettings.on_free_ports(repository, mps=mps)
+    compile_for_serve(repository, settings.gpus)  # as `serve` does: the compiled resnet, cached once
     server = BenchServer(settings, log=open(log_path, "w"))
     server.start()
     print(f"CUDA MPS: {server.mps_status}")

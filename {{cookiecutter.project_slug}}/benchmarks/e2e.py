@@ -2,7 +2,7 @@
 
     python -m benchmarks.e2e [--precision fp32 fp16] [--concurrency 1 2 4 8 16 32 64] [--images-per-request 1 16]
                              [--instances preprocess=6 resnet=2] [--mps on off] [--points 1x1 16x64]
-                             [--stages bls fused] [--rounds 2]
+                             [--stages bls fused] [--compile max-autotune off] [--rounds 2]
 
 Starts the project's tritonserver (its own flags; random weights unless model_repository has weights.pt; CUDA MPS
 on a GPU as `serve` does, `--mps off` without it, `--mps on off` both, one server after the other; `--stages`
@@ -199,6 +199,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the pipeline's `preprocess` and `postprocess` parameters (default: as baked): bls calls the three "
         "models, fused runs both stages in the pipeline; `bls fused` compares both",
     )
+    parser.add_argument(
+        "--compile",
+        nargs="+",
+        choices=["max-autotune", "default", "off"],
+        default=[None],
+        help="the resnet model's `compile` parameter (default: as baked); `max-autotune off` compares compiled "
+        "and eager, one server after the other",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.rounds < 1:
@@ -218,9 +226,11 @@ def main(argv=None) -> dict:
         write("e2e", results, rows, COLUMNS, plot_throughput(rows, sizes), args.out)
         return results
 
-    servers = [(p, m, q) for p in args.precision for m in args.mps for q in args.stages]
-    for server, (precision, mps, stages) in enumerate(servers, 1):
-        measure_server(args, precision, mps, jpegs, stages, lambda row, server=server: save(dict(row, server=server)))
+    servers = [(p, m, q, c) for p in args.precision for m in args.mps for q in args.stages for c in args.compile]
+    for server, (precision, mps, stages, mode) in enumerate(servers, 1):
+        measure_server(
+            args, precision, mps, jpegs, stages, lambda row, server=server: save(dict(row, server=server)), mode
+        )
     results = e2e_results(args, rows)
     if results["ratios"]:
         print("\nBLS / ensemble images/s:\n" + ratio_table(results["ratios"]))
@@ -242,7 +252,8 @@ def e2e_results(args, rows: list[dict]) -> dict:
             "mps = the server ran under CUDA MPS (its own daemon, as `serve`); instances = the Python-backend "
             "instance counts per GPU the row was served with; pipeline_preprocess, pipeline_postprocess = the "
             "pipeline's parameters of those names (bls: a BLS call to that model; in_process: the pipeline runs the "
-            "stage itself, fused); gpu_mem_mib = the most GPU memory in use during the point (NVML); round = which "
+            "stage itself, fused); resnet_compile = the resnet model's compile parameter (off: eager); "
+            "gpu_mem_mib = the most GPU memory in use during the point (NVML); round = which "
             "pass of --rounds (the entry points measured one after the other at each point, their order reversed "
             "every other round).",
             *(["\n" + ratio_table(points)] if points else []),
@@ -274,10 +285,10 @@ STAGE_SETTINGS = {"bls": "bls", "fused": "in_process"}  # --stages: the pipeline
 
 
 def measure_server(
-    args, precision: str | None, mps: str, jpegs: list[bytes], stages: str | None, save=None
+    args, precision: str | None, mps: str, jpegs: list[bytes], stages: str | None, save=None, compile_mode=None
 ) -> list[dict]:
-    """One server (this precision, instance counts, MPS setting and pipeline stage parameters): a row for every
-    point of every entry point, each handed to `save` as soon as it is measured."""
+    """One server (this precision, instance counts, MPS setting, pipeline stage parameters and resnet compile mode):
+    a row for every point of every entry point, each handed to `save` as soon as it is measured."""
     from {{ cookiecutter.package_name }}.model_repository import parameters, set_instance_counts, set_parameter
 
     rows = []
@@ -289,6 +300,9 @@ def measure_server(
         set_instance_counts(repo, instances)
         for stage in ("preprocess", "postprocess") if stages else ():
             set_parameter(repo, "pipeline", stage, STAGE_SETTINGS[stages])
+        if compile_mode:
+            set_parameter(repo, "resnet", "compile", compile_mode)
+        compile_mode = parameters(repo / "resnet")["compile"]
         preprocess, postprocess = (parameters(repo / "pipeline")[stage] for stage in ("preprocess", "postprocess"))
         server = bench_server(repo, Path(tmp) / "tritonserver.log", mps=mps == "on")
         mps_on = server.mps is not None  # what ran: "on" asks for MPS, a machine without it runs without
@@ -296,6 +310,7 @@ def measure_server(
         label += " MPS" if mps_on else " no MPS"
         fused = [stage for stage, value in (("preprocess", preprocess), ("postprocess", postprocess)) if value != "bls"]
         label += " fused" if len(fused) == 2 else "".join(f" {stage} fused" for stage in fused)
+        label += f" resnet {compile_mode}"
         try:
             pairs = [tuple(map(int, p.split("x"))) for p in args.points] or [
                 (n, c) for n in args.images_per_request for c in args.concurrency
@@ -321,6 +336,7 @@ def measure_server(
                     "instances": instance_counts(repo),
                     "pipeline_preprocess": preprocess,
                     "pipeline_postprocess": postprocess,
+                    "resnet_compile": compile_mode,
                 }
                 rows.append(row)
                 print_point(label, model, n, c, point)

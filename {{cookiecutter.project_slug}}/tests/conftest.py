@@ -23,6 +23,7 @@ from PIL import Image
 from tritonclient.grpc import model_config_pb2
 
 from {{ cookiecutter.package_name }}.client import ImageClassifier
+from {{ cookiecutter.package_name }}.compiled import compile_for_serve
 from {{ cookiecutter.package_name }}.model_repository import (
     load_config,
     pixels_dtype,
@@ -31,7 +32,7 @@ from {{ cookiecutter.package_name }}.model_repository import (
     set_instance_counts,
     top_k,
 )
-from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
+from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer, visible_gpus
 from {{ cookiecutter.package_name }}.stages import Reference
 from {{ cookiecutter.package_name }}.weights import write_random_versions
 
@@ -121,6 +122,8 @@ def model_repository(tmp_path_factory) -> Path:
         # memory, so the CPU tests run one instance per model. The GPU tests serve the shipped counts.
         set_instance_counts(repo, dict.fromkeys(python_models(repo), 1))
     write_random_versions(repo, seed=0)  # every resnet version (recipe 3 adds a second)
+    if torch.cuda.is_available():  # as `serve` does: the compiled resnet, cached for every server of the session
+        compile_for_serve(repo, visible_gpus())
     return repo
 
 

@@ -43,6 +43,21 @@ def serve(args) -> int:
             file=sys.stderr,
         )
         return 1
+    # SIGTERM (docker stop) and SIGHUP (terminal closed) take the Ctrl-C path below. Stopping inside a handler
+    # deadlocked: its Popen.wait() cannot reap while the interrupted outer wait() holds Popen's wait lock.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.default_int_handler)
+    if starting and settings.gpus:  # the compiled ResNet, once per weights and GPU model (compiled.py)
+        from .compiled import compile_for_serve
+
+        try:
+            compile_for_serve(settings.model_repository, settings.gpus)
+        except ValueError as exc:  # the config's compile parameter
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("stopped while compiling: the next start compiles again")
+            return 130
     try:  # the instance counts this machine carries (sizing.py), before anything starts
         plans = sizing.plan_for_serve(
             settings.model_repository, settings.gpus, gpu_memory(args), instances(args), args.mps
@@ -63,10 +78,6 @@ def serve(args) -> int:
     for device_plan in plans:
         print(f"instances: {device_plan.line()}")
     sizing.record(settings.grpc_port, plans)
-    # SIGTERM (docker stop) and SIGHUP (terminal closed) take the Ctrl-C path below. Stopping inside a handler
-    # deadlocked: its Popen.wait() cannot reap while the interrupted outer wait() holds Popen's wait lock.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    signal.signal(signal.SIGHUP, signal.default_int_handler)
     started = time.monotonic()
     try:
         try:
@@ -471,6 +482,18 @@ def decode_on_gpu(client, images: list[bytes]):
     return pixels
 
 
+def compile_resnet(args) -> int:
+    """Compile the resnet packages the repository asks for now, on each GPU (serve does it at start)."""
+    from .compiled import compile_for_serve
+    from .mps import visible_gpus
+
+    gpus = visible_gpus()
+    if not gpus:
+        print("no GPU here: the resnet stage runs eager on the CPU, with nothing to compile")
+        return 0
+    return compile_for_serve(args.model_repository, gpus, force=args.force)
+
+
 def weights(args) -> int:
     import contextlib
 
@@ -661,10 +684,19 @@ def add_weights(commands) -> None:
     p.set_defaults(run=weights)
 
 
+def add_compile(commands) -> None:
+    p = commands.add_parser(
+        "compile", help="compile the ResNet for this GPU now (serve does it at start when it is not cached)"
+    )
+    p.add_argument("--model-repository", type=Path, default=REPOSITORY)
+    p.add_argument("--force", action="store_true", help="compile again, also what is cached or failed before")
+    p.set_defaults(run=compile_resnet)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="{{ cookiecutter.project_slug }}", description=__doc__)
     commands = parser.add_subparsers(required=True)
-    for add in (add_serve, add_plan, add_health, add_classify, add_reload, add_weights):
+    for add in (add_serve, add_plan, add_health, add_classify, add_reload, add_weights, add_compile):
         add(commands)
     args = parser.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # progress shows up at once, also in container logs

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
+from {{ cookiecutter.package_name }} import compiled
 from {{ cookiecutter.package_name }}.python_backend import Instance, error_response, exit_stub, join, split_responses
 from {{ cookiecutter.package_name }}.stages import Classifier
 
@@ -20,16 +21,23 @@ class TritonPythonModel:
                 f"or `{{ cookiecutter.project_slug }} weights import YOUR.pt`"
             )
         classes = int(pb_utils.get_output_config_by_name(self.instance.config, "LOGITS")["dims"][0])
+        dtype, max_batch_size = self.instance.dtype("PIXELS"), self.instance.config["max_batch_size"]
+        # On a GPU: the package `serve` compiled for these weights (compiled.py), else eager, saying why
+        model, how = None, "eager on the CPU"
+        if self.instance.on_gpu:
+            target = compiled.Target(params["variant"], weights, dtype, max_batch_size, classes, params["compile"])
+            model, how = compiled.load(target, self.instance.device)
         self.classifier = Classifier(
             params["variant"],
             weights,
             self.instance.device,
-            self.instance.dtype("PIXELS"),
-            max_batch_size=self.instance.config["max_batch_size"],
+            dtype,
+            max_batch_size=max_batch_size,
             cuda_graphs=params["cuda_graphs"] == "true",
             num_classes=classes,
+            compiled=model,
         )
-        pb_utils.Logger.log_info(f"{args['model_instance_name']}: {self.classifier.load_report}")
+        pb_utils.Logger.log_info(f"{args['model_instance_name']}: {how}; {self.classifier.load_report}")
 
     def execute(self, requests):
         # One forward pass for every request the dynamic batcher gathered.

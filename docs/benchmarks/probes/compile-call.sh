@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call for the compiled ResNet (issue: the model at the GPU's speed), from the template root after
+# `source .gpu-bundle/activate`, on a bake from scripts/gpu_bake.sh (fp16):
+#   1. `image-classifier compile` as serve runs it (the config's mode, max-autotune), timed; beside it, a compile in
+#      `default` mode of a copy of the repository (its own cache), timed;
+#   2. compile-probe.py: the stage's ceiling outside Triton, eager, CUDA graphs and each compiled package;
+#   3. benchmarks.e2e: the pipeline and the ensemble through Triton, compiled and eager, one server after the other.
+# Everything goes to OUT (logs, compile-probe.json, e2e.json/.md).
+set -uo pipefail
+out=$(realpath "$1")
+probe=$(realpath "$(dirname "$0")/compile-probe.py")
+cd "$(dirname "$0")/../../../.gpu-bake/image-classifier"
+pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1
+image-classifier weights random >/dev/null
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/gpu.txt"
+export TRITON_COMPILE_CACHE=/tmp/compiled PYTHONUNBUFFERED=1
+rm -rf /tmp/repo-default && cp -r model_repository /tmp/repo-default
+python -c "from image_classifier.model_repository import set_parameter as s; s('/tmp/repo-default', 'resnet', 'compile', 'default')"
+( s=$SECONDS; TRITON_COMPILE_CACHE=/tmp/compiled-default timeout "${DEFAULT_LIMIT_S:-400}" \
+    python -m image_classifier.compiled --repository /tmp/repo-default >"$out/compile-default.log" 2>&1
+  echo "default compile: rc $? in $((SECONDS - s)) s" >>"$out/compile-default.log" ) &
+s=$SECONDS
+timeout "${COMPILE_LIMIT_S:-420}" image-classifier compile 2>&1 | tee "$out/compile.log" | grep -v "^  still"
+echo "max-autotune compile: ${PIPESTATUS[0]} in $((SECONDS - s)) s" | tee -a "$out/compile.log"
+wait
+tail -n 2 "$out/compile-default.log"
+ls -la /tmp/compiled /tmp/compiled-default
+timeout 200 python "$probe" "$out/probe" ${PROBE_STEPS:-eager-fp16 graph-fp16 compiled-max-autotune-fp16} 2>&1 | cut -c1-400
+TRITON_COMPILE_CACHE=/tmp/compiled-default timeout 60 python "$probe" "$out/probe" compiled-default-fp16 2>&1 | cut -c1-400
+[[ -n ${E2E_POINTS:-1x1 1x8 16x128} ]] && timeout "${E2E_LIMIT_S:-300}" python -m benchmarks.e2e --compile max-autotune off \
+  --points ${E2E_POINTS:-1x1 1x8 16x128} --seconds "${E2E_SECONDS:-3}" --out "$out/e2e" 2>&1 | grep -v "^  " | tail -n 40
+exit 0

@@ -1,0 +1,133 @@
+"""The ResNet stage's ceiling outside Triton: eager, CUDA graphs and AOTInductor packages (compiled.py), one process
+each, on the bake's weights. Run from a baked project's root on a GPU machine:
+
+    python ../../docs/benchmarks/probes/compile-probe.py OUT [STEP ...]
+
+STEP: eager-fp16, graph-fp16, compile-max-autotune-fp16, compiled-max-autotune-fp16, ... (default: all, in order).
+Each bench runs the stage's own Classifier (padding to buckets, the copy in and the clone out) at batch 128 and at
+batch 1, writes its logits on a fixed batch, and compares them with eager's of the same precision.
+Writes OUT/compile-probe.json (one row per step) as it goes.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT = [
+    "eager-fp16",
+    "graph-fp16",
+    "compile-max-autotune-fp16",
+    "compiled-max-autotune-fp16",
+    "compile-default-fp16",
+    "compiled-default-fp16",
+    "graph-fp32",
+    "graph-bf16",
+]
+WEIGHTS = Path("model_repository/resnet/1/weights.pt")
+
+
+def gpu_mib(pid: int) -> int:
+    rows = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True,
+    ).stdout.splitlines()
+    return sum(int(used) for p, used in (r.split(", ") for r in rows if r) if int(p) == pid)
+
+
+def bench(out: Path, mode: str, dtype_name: str) -> dict:
+    import torch
+
+    from image_classifier import compiled
+    from image_classifier.stages import Classifier
+
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    started = time.monotonic()
+    runner = None
+    if mode.startswith("compiled-"):
+        target = compiled.Target("resnet50", WEIGHTS, dtype, 128, 1000, mode.removeprefix("compiled-"))
+        runner, why = compiled.load(target, device)
+        if runner is None:
+            return {"error": why}
+    loaded = time.monotonic() - started
+    clf = Classifier("resnet50", WEIGHTS, device, dtype, 128, cuda_graphs=mode != "eager", compiled=runner)
+    row = {"load_s": round(loaded, 2), "classifier_s": round(time.monotonic() - started, 2), "report": clf.load_report}
+    x = torch.randn(128, 3, 224, 224, device=device, dtype=dtype)
+    for batch, iters in ((128, 40), (32, 80)):
+        for _ in range(5):
+            clf(x[:batch])
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(iters):
+            clf(x[:batch])
+        torch.cuda.synchronize()
+        row[f"images_per_s_b{batch}"] = round(batch * iters / (time.perf_counter() - t))
+    times = []
+    for _ in range(200):
+        t = time.perf_counter()
+        clf(x[:1])
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    row["b1_p50_ms"] = round(sorted(times)[100] * 1e3, 3)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    fixed = torch.randn(8, 3, 224, 224, generator=g).to(device, dtype)
+    logits = clf(fixed).float().cpu()
+    torch.save(logits, out / f"logits-{mode}-{dtype_name}.pt")
+    ref = out / f"logits-eager-{dtype_name}.pt"
+    if ref.is_file() and mode != "eager":
+        eager = torch.load(ref)
+        row["max_abs_logit_diff"] = float((logits - eager).abs().max())
+        row["max_softmax_diff"] = float((logits.softmax(1) - eager.softmax(1)).abs().max())
+        row["top1_equal"] = bool((logits.argmax(1) == eager.argmax(1)).all())
+    row["gpu_mib"] = gpu_mib(os.getpid())
+    row["torch_reserved_mib"] = torch.cuda.memory_reserved() >> 20
+    return row
+
+
+def main() -> int:
+    if sys.argv[1] == "--bench":
+        out, mode, dtype_name = Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+        print("ROW " + json.dumps(bench(out, mode, dtype_name)), flush=True)
+        return 0
+    out = Path(sys.argv[1]).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    previous = out / "compile-probe.json"  # a second run into the same OUT adds its rows
+    rows = json.loads(previous.read_text()) if previous.is_file() else []
+    rows += [{"step": "machine", "torch": torch.__version__, "cuda": torch.version.cuda,
+             "gpu": torch.cuda.get_device_name(0), "CUDA_HOME": os.environ.get("CUDA_HOME", "")}]
+    for step in sys.argv[2:] or DEFAULT:
+        kind, _, rest = step.partition("-")
+        mode, _, dtype_name = rest.rpartition("-")
+        started = time.monotonic()
+        if kind == "compile":  # as `serve` does it, for the bake's precision, in the mode asked for
+            from image_classifier import compiled, model_repository
+
+            model_repository.set_parameter("model_repository", "resnet", "compile", mode)
+            done = subprocess.run([sys.executable, "-m", "image_classifier.compiled", "--repository=model_repository"],
+                                  capture_output=True, text=True, timeout=int(os.environ.get("COMPILE_LIMIT_S", 420)))
+            row = {"rc": done.returncode, "tail": (done.stdout + done.stderr)[-1500:]}
+            packages = sorted(compiled.cache_root().glob("*.pt2"), key=lambda p: p.stat().st_mtime)
+            if done.returncode == 0 and packages:
+                row |= {"package_mib": round(packages[-1].stat().st_size / 2**20, 1),
+                        "fields": json.loads(packages[-1].with_suffix(".json").read_text())}
+        else:
+            mode = f"{kind}-{mode}" if kind == "compiled" else kind
+            done = subprocess.run([sys.executable, __file__, "--bench", str(out), mode, dtype_name],
+                                  capture_output=True, text=True, timeout=300)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
+            row = json.loads(lines[-1][4:]) if lines else {"rc": done.returncode, "tail": done.stderr[-1500:]}
+        row = {"step": step, "wall_s": round(time.monotonic() - started, 1)} | row
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        (out / "compile-probe.json").write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

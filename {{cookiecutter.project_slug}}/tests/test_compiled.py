@@ -1,0 +1,150 @@
+"""The compiled ResNet's cache (compiled.py), without a GPU: what keys a package, what the stage does without one,
+and a real AOTInductor package compiled and loaded on the CPU (a small one: resnet18 on 64x64 images)."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from {{ cookiecutter.package_name }} import compiled
+from {{ cookiecutter.package_name }}.model_repository import load_config, pixels_dtype, set_parameter
+from {{ cookiecutter.package_name }}.stages import Classifier, build_resnet
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv(compiled.CACHE_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def small(tmp_path) -> compiled.Target:
+    """resnet18 with 10 classes, for 64x64 images and batches of 1-4: compiles in well under a minute on 2 cores."""
+    torch.manual_seed(0)
+    weights = tmp_path / "weights.pt"
+    torch.save(build_resnet("resnet18", None, 10).state_dict(), weights)
+    return compiled.Target("resnet18", weights, torch.float32, 4, 10, "default", 64)
+
+
+def test_targets_follow_the_resnet_config(model_repository):
+    (target,) = compiled.targets(model_repository)
+    assert target.mode == "max-autotune" and target.image_size == 224
+    assert target.weights == model_repository / "resnet" / "1" / "weights.pt"
+    assert target.dtype == pixels_dtype(model_repository)
+    assert target.max_batch_size == load_config(model_repository / "resnet").max_batch_size
+
+
+def test_compile_off_asks_for_nothing_and_an_unknown_mode_is_refused(model_repository, tmp_path):
+    import shutil
+
+    repo = tmp_path / "model_repository"
+    shutil.copytree(model_repository, repo)
+    set_parameter(repo, "resnet", "compile", "off")
+    assert compiled.targets(repo) == []
+    set_parameter(repo, "resnet", "compile", "fastest")
+    with pytest.raises(ValueError, match="compile is 'fastest'; choose one of max-autotune, default, off"):
+        compiled.targets(repo)
+
+
+def test_every_input_of_the_compiled_code_is_in_the_key(small, cache, monkeypatch):
+    base = small.path(CPU)
+    assert base.parent == cache and base.suffix == ".pt2" and small.path(CPU) == base
+    others = [
+        replace(small, dtype=torch.float16),
+        replace(small, max_batch_size=8),
+        replace(small, num_classes=11),
+        replace(small, mode="max-autotune"),
+        replace(small, variant="resnet34"),
+        replace(small, image_size=96),
+    ]
+    paths = {t.path(CPU) for t in others}
+    assert base not in paths and len(paths) == len(others)
+    # the same file name with other bytes in it: new weights (`weights import`) are a new package
+    small.weights.write_bytes(small.weights.read_bytes() + b"\0")
+    assert small.path(CPU) != base
+    new_weights = small.path(CPU)
+    monkeypatch.setattr(torch, "__version__", "0.0.0")  # another torch never loads an old package
+    assert small.path(CPU) != new_weights
+    monkeypatch.setattr(compiled, "device_identity", lambda device: {"gpu": "Other GPU", "capability": "9.9"})
+    assert small.path(CPU) != new_weights
+
+
+def test_without_a_package_the_stage_says_why_it_runs_eager(small, cache):
+    model, how = compiled.load(small, CPU)
+    assert model is None and how.startswith("eager, not compiled: no package for these weights")
+    assert compiled.load(replace(small, mode="off"), CPU) == (None, "eager (compile is off)")
+
+
+def test_a_failed_compile_is_said_and_not_tried_at_every_start(small, cache):
+    path = small.path(CPU)
+    cache.mkdir()
+    path.with_suffix(".failed").write_text("CalledProcessError: g++ not found\n")
+    model, how = compiled.load(small, CPU)
+    assert model is None and "g++ not found" in how
+    lines = []
+    assert compiled.ensure_target(small, CPU, log=lines.append) is None
+    assert "not available (CalledProcessError: g++ not found)" in lines[0] and "compile --force" in lines[0]
+
+
+def test_a_package_that_does_not_load_leaves_the_stage_eager(small, cache):
+    path = small.path(CPU)
+    cache.mkdir()
+    path.write_bytes(b"not a zip file")
+    model, how = compiled.load(small, CPU)
+    assert model is None and f"{path.name} did not load" in how
+
+
+LOAD_AND_RUN = """
+import sys, torch
+from pathlib import Path
+from {{ cookiecutter.package_name }} import compiled
+from {{ cookiecutter.package_name }}.stages import Classifier
+target = compiled.Target("resnet18", Path(sys.argv[1]), torch.float32, 4, 10, "default", 64)
+model, how = compiled.load(target, torch.device("cpu"))
+assert model is not None, how
+pixels = torch.load(sys.argv[2])
+classifier = Classifier("resnet18", target.weights, "cpu", max_batch_size=4, num_classes=10, compiled=model)
+torch.save([classifier(pixels[:n]) for n in (1, 3, 4, 6)], sys.argv[3])
+print(how)
+"""
+
+
+def test_a_package_compiled_once_serves_the_stage_as_eager_does(small, cache, tmp_path):
+    """Compiled in this process, loaded in another (as the stubs do), for batches of 1 to more than the largest:
+    the same logits as the eager model, within float rounding."""
+    lines = []
+    path = compiled.ensure_target(small, CPU, log=lines.append)
+    assert path == small.path(CPU) and path.is_file() and not path.with_suffix(".failed").exists()
+    assert lines[0].startswith("compiling resnet (resnet18 fp32 for the CPU")
+    assert "cached for the next start" in lines[0]
+    fields = json.loads(path.with_suffix(".json").read_text())
+    assert fields["weights_sha256"] == compiled.file_digest(small.weights) and fields["compile_s"] > 0
+    # a second start finds it: nothing compiles again
+    lines.clear()
+    stamp = path.stat().st_mtime_ns
+    assert compiled.ensure_target(small, CPU, log=lines.append) == path
+    assert len(lines) == 1 and lines[0].startswith("compiled resnet: cached, resnet18 fp32") and str(path) in lines[0]
+    assert path.stat().st_mtime_ns == stamp
+
+    pixels = torch.randn(6, 3, 64, 64)
+    torch.save(pixels, tmp_path / "pixels.pt")
+    script = tmp_path / "load.py"
+    script.write_text(LOAD_AND_RUN)
+    done = subprocess.run(
+        [sys.executable, script, small.weights, tmp_path / "pixels.pt", tmp_path / "out.pt"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith(f"compiled (default): {path}")
+    eager = Classifier("resnet18", small.weights, "cpu", max_batch_size=4, num_classes=10)
+    for got, n in zip(torch.load(tmp_path / "out.pt"), (1, 3, 4, 6)):
+        assert got.shape == (n, 10) and got.dtype == torch.float32
+        torch.testing.assert_close(got, eager(pixels[:n]), atol=1e-4, rtol=1e-4)
