@@ -595,6 +595,7 @@ def test_k8s_manifests_validate_strictly_against_the_kubernetes_schemas(project,
         assert kinds == [
             "Deployment",
             "HorizontalPodAutoscaler",
+            "PersistentVolumeClaim",
             "PodDisruptionBudget",
             "Secret",
             "Service",
@@ -802,3 +803,21 @@ def test_k8s_admin_key_secret_autoscaler_and_disruption_budget(project, k8s):
     pdb = find(docs, "PodDisruptionBudget")
     assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
     assert pdb["spec"]["maxUnavailable"] == 1  # a single replica can still be drained
+
+
+def test_the_compiled_resnet_is_kept_in_a_volume_where_the_image_looks_for_it(project, k8s):
+    """compiled.py compiles the ResNet at the first start on a GPU into $TRITON_COMPILE_CACHE: compose and the pods
+    keep that folder in a volume (compiled once, not at every start), and the image has the compiler it needs."""
+    path, _ = project
+    dockerfile = (path / "Dockerfile").read_text()
+    (cache,) = re.findall(r"^ENV TRITON_COMPILE_CACHE=(\S+)$", dockerfile, re.M)
+    assert re.search(rf"install -d -m 0700 -o triton-server {re.escape(cache)}$", dockerfile, re.M)
+    assert re.search(r"apt-get install -y --no-install-recommends g\+\+", dockerfile)
+    service = compose(path)
+    assert f"compiled-resnet:{cache}" in service["services"]["triton"]["volumes"]
+    assert "compiled-resnet" in service["volumes"]
+    container, spec = triton_container(k8s["base"], path), pod_spec(k8s["base"], path)
+    assert {"name": "compiled-resnet", "mountPath": cache} in container["volumeMounts"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "compiled-resnet"]
+    claim = find(k8s["base"], "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]

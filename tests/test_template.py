@@ -47,6 +47,7 @@ docker-compose.cpu.yml
 docker-compose.ngc.yml
 docker-compose.yml
 deploy/kubernetes/base/admin-key.env
+deploy/kubernetes/base/compiled-resnet.yaml
 deploy/kubernetes/base/deployment.yaml
 deploy/kubernetes/base/hpa.yaml
 deploy/kubernetes/base/kustomization.yaml
