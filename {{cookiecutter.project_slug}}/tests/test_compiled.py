@@ -92,6 +92,14 @@ def test_a_failed_compile_is_said_and_not_tried_at_every_start(small, cache):
     assert "not available (CalledProcessError: g++ not found)" in lines[0] and "compile --force" in lines[0]
 
 
+def test_without_a_compiler_nothing_is_compiled_or_kept_as_failed(small, cache, monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    lines = []
+    assert compiled.ensure_target(small, CPU, log=lines.append) is None
+    assert lines == ["compiled resnet: not available (no C++ compiler here: install g++); eager with CUDA graphs"]
+    assert not small.path(CPU).with_suffix(".failed").exists()  # installing one is enough: the next start compiles
+
+
 def test_a_package_that_does_not_load_leaves_the_stage_eager(small, cache):
     path = small.path(CPU)
     cache.mkdir()

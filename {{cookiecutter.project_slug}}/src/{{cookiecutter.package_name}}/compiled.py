@@ -25,6 +25,7 @@ import inspect
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -237,6 +238,9 @@ def ensure_target(target: Target, device: torch.device, force: bool = False, log
         return path
     if (reason := failure(path)) and not force:
         log(f"compiled resnet: not available ({reason}); eager with CUDA graphs. `compile --force` tries again")
+        return None
+    if not shutil.which(os.environ.get("CXX") or "g++"):  # not a failure to keep: a compiler installed next fixes it
+        log("compiled resnet: not available (no C++ compiler here: install g++); eager with CUDA graphs")
         return None
     expected = EXPECTED[target.mode]
     log(f"compiling resnet ({target.describe(device)}): {expected}, cached for the next start in {path.parent}")
