@@ -182,6 +182,7 @@ def local_server(repository: Path, log_path: Path):
             print(log_path.read_text()[-5000:])
             raise
         yield triton
+    assert settings.admin_key not in log_path.read_text(errors="replace"), "the admin key is in the server's log"
 
 
 @pytest.fixture

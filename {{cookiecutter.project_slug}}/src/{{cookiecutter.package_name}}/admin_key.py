@@ -5,7 +5,7 @@ wherever it is set. Otherwise a local `serve` keeps its key in a file only you c
 `$XDG_CONFIG_HOME/{{ cookiecutter.project_slug }}/admin-key`, by default `~/.config/{{ cookiecutter.project_slug }}/admin-key`.
 It is made at the first start and kept across restarts, so a same-host client (`ImageClassifier`, `classify
 --shared-memory`) reads it there without being given it. `serve --new-admin-key` rotates it (delete the file
-for the same effect); the container never writes it (set TRITON_ADMIN_KEY there, or read the key it prints).
+for the same effect). The container's `serve` does the same in its user's home. The key is never printed.
 """
 
 from __future__ import annotations

@@ -47,17 +47,6 @@ def serve(args) -> int:
     # deadlocked: its Popen.wait() cannot reap while the interrupted outer wait() holds Popen's wait lock.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     signal.signal(signal.SIGHUP, signal.default_int_handler)
-    if starting and settings.gpus:  # the compiled ResNet, once per weights and GPU model (compiled.py)
-        from .compiled import compile_for_serve
-
-        try:
-            compile_for_serve(settings.model_repository, settings.gpus)
-        except ValueError as exc:  # the config's compile parameter
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print("stopped while compiling: the next start compiles again")
-            return 130
     try:  # the instance counts this machine carries (sizing.py), before anything starts
         plans = sizing.plan_for_serve(
             settings.model_repository, settings.gpus, gpu_memory(args), instances(args), args.mps
@@ -66,20 +55,30 @@ def serve(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     settings.instance_counts = plans[0].overrides
-    if args.print_flags:
-        print("\n".join(server_flags(settings)))
+    if args.print_flags:  # the admin key is a secret: never on a terminal or in a log
+        print("\n".join(flag.replace(settings.admin_key, "***") for flag in server_flags(settings)))
         return 0
     if args.print_shm:
         print_shm_need(settings.model_repository, settings.instance_counts)
         return 0
-    key_place = None
-    if not container:  # the key same-host clients find (admin_key.py); the container's: TRITON_ADMIN_KEY or new
-        settings.admin_key, key_place = admin_key.for_serve(rotate=args.new_admin_key)
+    # the key same-host clients find (admin_key.py): TRITON_ADMIN_KEY, else a file only this user reads
+    settings.admin_key, key_place = admin_key.for_serve(rotate=args.new_admin_key)
     for device_plan in plans:
         print(f"instances: {device_plan.line()}")
     sizing.record(settings.grpc_port, plans)
-    started = time.monotonic()
     try:
+        if settings.gpus:  # the compiled ResNet, once per weights and GPU model (compiled.py)
+            from .compiled import compile_for_serve
+
+            try:
+                compile_for_serve(settings.model_repository, settings.gpus)
+            except ValueError as exc:  # the config's compile parameter
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
+            except KeyboardInterrupt:
+                print("stopped while compiling: the next start compiles again")
+                return 130
+        started = time.monotonic()
         try:
             server, pump = start_server(args, settings, container, started, plans)
         except OSError as exc:  # the sized configs could not be written
@@ -200,7 +199,7 @@ def start_server(args, settings, container: bool, started: float, plans=()):
     return server, pump
 
 
-def run_until_stopped(args, server, pump, started: float, key_place: str | None) -> int:
+def run_until_stopped(args, server, pump, started: float, key_place: str) -> int:
     """Wait until the server is ready and watch its stubs until Ctrl-C, then drain and stop it. Should
     tritonserver itself die meanwhile, start it again, within limits (restarts.py)."""
     import subprocess
@@ -287,7 +286,7 @@ def run_until_stopped(args, server, pump, started: float, key_place: str | None)
     return 1 if gave_up else returncode or 0
 
 
-def print_ready(server, started: float, key_place: str | None) -> None:
+def print_ready(server, started: float, key_place: str) -> None:
     """Where the ready server listens, and where its admin key is."""
     import time
 
@@ -299,9 +298,13 @@ def print_ready(server, started: float, key_place: str | None) -> None:
         f"http://localhost:{settings.http_port}   metrics http://localhost:{settings.metrics_port}/metrics"
         "   (Ctrl-C stops)"
     )
-    if server.container and not os.environ.get(admin_key.ENV):
-        print(f"admin APIs (model load/unload, statistics, ...) need the key {settings.admin_key}")
-    elif not server.container and key_place != admin_key.ENV:
+    if key_place == admin_key.ENV:
+        return
+    if not key_place.startswith("/"):  # the file could not be written: the key is nowhere, and never printed
+        print(f"admin key: {key_place}; set {admin_key.ENV} to use the admin APIs")
+    elif server.container:
+        print(f"admin key: in {key_place} (docker compose exec triton cat {key_place}; or set {admin_key.ENV})")
+    else:
         print(f"admin key: in {key_place} (same-host clients read it there; --new-admin-key rotates it)")
 
 
