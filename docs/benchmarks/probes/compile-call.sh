@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One device call for the compiled ResNet (issue: the model at the GPU's speed), from the template root after
-# `source .gpu-bundle/activate`, on a bake from scripts/gpu_bake.sh (fp16):
+# `source .gpu-bundle/activate`, on a bake from scripts/gpu_bake.sh (fp16), within CALL_LIMIT_S (default 560 s):
 #   1. `image-classifier compile` as serve runs it (the config's mode, max-autotune), timed; beside it, a compile in
 #      `default` mode of a copy of the repository (its own cache), timed;
 #   2. compile-probe.py: the stage's ceiling outside Triton, eager, CUDA graphs and each compiled package;
-#   3. benchmarks.e2e: the pipeline and the ensemble through Triton, compiled and eager, one server after the other.
-# Everything goes to OUT (logs, compile-probe.json, e2e.json/.md).
+#   3. benchmarks.e2e: the pipeline and the ensemble through Triton, compiled and eager, one server after the other;
+#   4. the GPU tests of the compiled path (PYTEST_K), with the time left.
+# Everything goes to OUT (logs, compile-probe.json, e2e.json/.md, suite JUnit XML).
 set -uo pipefail
 out=$(realpath "$1")
+deadline=$((SECONDS + ${CALL_LIMIT_S:-560}))
+left() { local n=$((deadline - SECONDS - ${1:-0})); echo $((n > 5 ? n : 5)); }
 probe=$(realpath "$(dirname "$0")/compile-probe.py")
 cd "$(dirname "$0")/../../../.gpu-bake/image-classifier"
 pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1
@@ -21,13 +24,18 @@ python -c "from image_classifier.model_repository import set_parameter as s; s('
     python -m image_classifier.compiled --repository /tmp/repo-default >"$out/compile-default.log" 2>&1
   echo "default compile: rc $? in $((SECONDS - s)) s" >>"$out/compile-default.log" ) &
 s=$SECONDS
-timeout "${COMPILE_LIMIT_S:-420}" image-classifier compile 2>&1 | tee "$out/compile.log" | grep -v "^  still"
-echo "max-autotune compile: ${PIPESTATUS[0]} in $((SECONDS - s)) s" | tee -a "$out/compile.log"
+timeout "$(left 150)" image-classifier compile 2>&1 | tee "$out/compile.log" | grep -v "^  still"
+echo "=== max-autotune compile: rc ${PIPESTATUS[0]} in $((SECONDS - s)) s"
 wait
-tail -n 2 "$out/compile-default.log"
+tail -n 3 "$out/compile-default.log"
 ls -la /tmp/compiled /tmp/compiled-default
-timeout 200 python "$probe" "$out/probe" ${PROBE_STEPS:-eager-fp16 graph-fp16 compiled-max-autotune-fp16} 2>&1 | cut -c1-400
-TRITON_COMPILE_CACHE=/tmp/compiled-default timeout 60 python "$probe" "$out/probe" compiled-default-fp16 2>&1 | cut -c1-400
-[[ -n ${E2E_POINTS:-1x1 1x8 16x128} ]] && timeout "${E2E_LIMIT_S:-300}" python -m benchmarks.e2e --compile max-autotune off \
-  --points ${E2E_POINTS:-1x1 1x8 16x128} --seconds "${E2E_SECONDS:-3}" --out "$out/e2e" 2>&1 | grep -v "^  " | tail -n 40
+echo "=== probe ($(left) s left)"
+timeout "$(left 100)" python "$probe" "$out/probe" ${PROBE_STEPS:-eager-fp16 graph-fp16 compiled-max-autotune-fp16} 2>&1 | cut -c1-500
+TRITON_COMPILE_CACHE=/tmp/compiled-default timeout "$(left 100)" python "$probe" "$out/probe" compiled-default-fp16 2>&1 | cut -c1-500
+echo "=== e2e ($(left) s left)"
+timeout "$(left 60)" python -m benchmarks.e2e --compile max-autotune off --points ${E2E_POINTS:-1x1 1x8 16x128} \
+  --seconds "${E2E_SECONDS:-3}" --out "$out/e2e" 2>&1 | grep -v "^  " | tail -n 30
+echo "=== pytest ($(left) s left)"
+timeout -s INT "$(left)" python -m pytest -p no:cacheprovider -q -rs tests/test_gpu.py \
+  -k "${PYTEST_K:-compiled_once or in_process_reference or kind_gpu}" --junitxml="$out/suite-compiled.xml" 2>&1 | tail -n 15
 exit 0
