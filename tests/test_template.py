@@ -87,6 +87,7 @@ src/image_classifier/compiled.py
 src/image_classifier/console.py
 src/image_classifier/health.py
 src/image_classifier/model_repository.py
+src/image_classifier/paths.py
 src/image_classifier/mps.py
 src/image_classifier/python_backend.py
 src/image_classifier/restarts.py
@@ -104,6 +105,7 @@ tests/test_e2e.py
 tests/test_gpu.py
 tests/test_mps.py
 tests/test_reliability.py
+tests/test_security.py
 tests/test_shared_memory.py
 tests/test_sizing.py
 tests/test_stages.py

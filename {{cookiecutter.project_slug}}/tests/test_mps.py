@@ -89,7 +89,7 @@ def fake_driver(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(short))
     for name in ("CUDA_VISIBLE_DEVICES", mps.PIPE_ENV, mps.LOG_ENV, "FAKE_MPS", "FAKE_COMPUTE_MODE", "FAKE_MIG"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(mps.tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
     assert mps.run_root().parent == short
     yield bin_dir
     shutil.rmtree(short, ignore_errors=True)

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -386,7 +387,7 @@ def test_a_bls_call_waiting_on_a_model_is_given_up_once_a_death_of_its_stub_is_r
     the model; a death recorded before it began, or of another model, does not; without a record the deadline
     does."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr(stub_deaths.tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
     server = os.getpid()
     stub_deaths.record(server, "preprocess")  # an earlier death
     time.sleep(0.05)

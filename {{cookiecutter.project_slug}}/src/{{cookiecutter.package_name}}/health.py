@@ -394,7 +394,10 @@ class StubWatchdog(threading.Thread):
         """Record that `models` lost a stub, for the BLS calls that wait on them (stub_deaths): they give up now."""
         if self.server_pid is not None:
             for model in models:
-                stub_deaths.record(self.server_pid, model)
+                try:
+                    stub_deaths.record(self.server_pid, model)
+                except OSError as exc:  # the reload goes on; the waiting calls end at their deadline instead
+                    self.log(f"watchdog: could not record that {model} lost a stub ({exc})")
         return models
 
     def remove_dead_clients_regions(self) -> list[str]:

@@ -26,10 +26,11 @@ import secrets
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from .paths import NotPrivate, private_dir, user_tmp
 
 CONTROL = "nvidia-cuda-mps-control"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
@@ -146,10 +147,9 @@ def kill(procs: list[Process], grace_s: float = 1.0) -> None:
 
 
 def run_root() -> Path:
-    """This user's directory of MPS runs: short, as the daemon's socket paths must be."""
-    name = f"{{ cookiecutter.project_slug }}-mps-{os.getuid()}"
-    root = Path(tempfile.gettempdir()) / name
-    return root if len(str(root)) < SOCKET_PATH_MAX - 40 else Path("/tmp") / name
+    """This user's directory of MPS runs (paths.user_tmp): short, as the daemon's socket paths must be."""
+    root = user_tmp("mps")
+    return root if len(str(root)) < SOCKET_PATH_MAX - 40 else Path("/tmp") / root.name
 
 
 def _visible(rows: list[list[str]]) -> list[list[str]]:
@@ -251,9 +251,11 @@ class MpsDaemon:
         check_gpus()
         check_other_users()
         root = root or run_root()
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if root.stat().st_uid != os.getuid():
-            raise MpsUnavailable(f"{root} belongs to another user")
+        root.parent.mkdir(parents=True, exist_ok=True)
+        try:  # never a symlink or another user's folder: remove_stale deletes what is in it
+            private_dir(root)
+        except NotPrivate as exc:
+            raise MpsUnavailable(str(exc)) from None
         remove_stale(root)
         run_dir = root / f"{os.getpid()}-{secrets.token_hex(4)}"
         for directory in (run_dir, run_dir / "pipe", run_dir / "log"):

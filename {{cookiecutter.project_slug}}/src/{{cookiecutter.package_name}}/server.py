@@ -35,6 +35,7 @@ from .model_repository import (
     tensor_datatype,
 )
 from .mps import terminate_with_parent, visible_gpus
+from .paths import cache_dir, is_own_file
 from .shm import MiB, remove_stale_regions
 
 CONTAINER_TRITONSERVER = Path("/opt/tritonserver")  # the NGC image's server
@@ -225,7 +226,7 @@ def server_flags(settings: ServerSettings) -> list[str]:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "{{ cookiecutter.project_slug }}"
+    return cache_dir()
 
 
 def triton_home() -> Path | None:
@@ -552,7 +553,9 @@ class TritonServer:
         Triton 2.51 waits out its exit timeout instead of cleaning up: this server's prefix finds them.
         Shared-memory clients killed outright leave theirs too: those of processes that are gone go as well."""
         for region in Path("/dev/shm").glob(self.settings.shm_prefix + "*"):
-            region.unlink(missing_ok=True)
+            if is_own_file(region):  # a name of another user's is theirs, whatever it is called
+                with contextlib.suppress(OSError):
+                    region.unlink()
         remove_stale_regions()
 
     def __enter__(self) -> TritonServer:

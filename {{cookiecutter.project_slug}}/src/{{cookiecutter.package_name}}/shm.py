@@ -13,6 +13,7 @@ Imported inside the Python-backend stub too (python_backend.py, for the words): 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import secrets
@@ -26,6 +27,7 @@ from tritonclient.utils import shared_memory as system_shm
 
 from .model_repository import BLS_CALLS, bytes_per_element, load_configs, loaded_versions, tensor_datatype
 from .mps import visible_gpus
+from .paths import is_own_file
 
 MiB = 1 << 20
 DEV_SHM = Path("/dev/shm")
@@ -179,9 +181,10 @@ def remove_stale_regions(client=None, headers: dict | None = None, in_use_wait_s
                     continue
                 removed.add(name)
     for path in DEV_SHM.glob(REGION_PREFIX + "*"):
-        if stale(path.name):
-            path.unlink(missing_ok=True)
-            removed.add(path.name)
+        if stale(path.name) and is_own_file(path):  # another user's file of that name is theirs
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.add(path.name)
     return sorted(removed)
 
 

@@ -5,31 +5,36 @@ good, and so does a BLS call waiting on it. The watchdog (health.StubWatchdog) s
 two seconds and records the death here, one file per model whose modification time is the moment it was seen;
 the requests of a BLS call still waiting on that model since before then are answered at once with an error that
 names the model (python_backend.Guard), instead of at the call's deadline. Both sides find the folder from the
-tritonserver process's PID (the stubs' parent) in the temporary directory they share (the server inherits serve's
-TMPDIR).
+tritonserver process's PID (the stubs' parent) in this user's own folder of the temporary directory they share
+(the server inherits serve's TMPDIR), which only this user can write (`root`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 from .mps import alive
+from .paths import NotPrivate, private_dir, user_tmp
 
-PREFIX = "{{ cookiecutter.project_slug }}-stub-deaths-"
 POLL_S = 0.5  # how often a BLS model's guard looks for a death of the model its call waits on
 
 
+def root() -> Path:
+    """This user's folder of records, `<tmp>/<slug>-stub-deaths-<uid>`, checked to be theirs (paths.private_dir):
+    a folder another user made there first is never trusted (it would let them fail every waiting call)."""
+    return private_dir(user_tmp("stub-deaths"))
+
+
 def folder(server_pid: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"{PREFIX}{server_pid}"
+    return user_tmp("stub-deaths") / str(server_pid)
 
 
 def record(server_pid: int, model: str) -> None:
-    """`model` of the server `server_pid` lost a stub: now."""
-    path = folder(server_pid)
+    """`model` of the server `server_pid` lost a stub: now. NotPrivate if the records' folder is not this user's."""
+    path = root() / str(server_pid)
     path.mkdir(mode=0o700, exist_ok=True)
     (path / model).touch()  # an existing record gets the new time
 
@@ -38,21 +43,27 @@ def died_since(model: str, since: float, server_pid: int | None = None) -> bool:
     """Whether a stub of `model` was recorded dead after `since` (time.time()); called in a stub, the server is
     its parent."""
     try:
-        return (folder(server_pid or os.getppid()) / model).stat().st_mtime > since
-    except OSError:
+        return (root() / str(server_pid or os.getppid()) / model).stat().st_mtime > since
+    except OSError:  # no record, or a folder that is not this user's (NotPrivate)
         return False
 
 
 def forget(server_pid: int) -> None:
     """Remove the server's records (the watchdog stops, or a later start finds its server gone)."""
-    shutil.rmtree(folder(server_pid), ignore_errors=True)
+    try:
+        shutil.rmtree(root() / str(server_pid), ignore_errors=True)
+    except NotPrivate:
+        pass
 
 
 def forget_stale() -> None:
     """Remove the records of servers that no longer run (a watchdog that was killed left them)."""
-    for path in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
-        pid = path.name.removeprefix(PREFIX)
-        if pid.isdigit() and not alive(int(pid)):
+    try:
+        records = root()
+    except NotPrivate:
+        return
+    for path in records.iterdir():
+        if path.name.isdigit() and not alive(int(path.name)):
             shutil.rmtree(path, ignore_errors=True)
 
 
