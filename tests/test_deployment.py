@@ -595,6 +595,7 @@ def test_k8s_manifests_validate_strictly_against_the_kubernetes_schemas(project,
         assert kinds == [
             "Deployment",
             "HorizontalPodAutoscaler",
+            "NetworkPolicy",
             "PersistentVolumeClaim",
             "PodDisruptionBudget",
             "Secret",
@@ -821,3 +822,18 @@ def test_the_compiled_resnet_is_kept_in_a_volume_where_the_image_looks_for_it(pr
     (volume,) = [v for v in spec["volumes"] if v["name"] == "compiled-resnet"]
     claim = find(k8s["base"], "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_containers_drop_every_capability_and_only_the_inference_ports_are_open_to_other_pods(project, k8s):
+    path, _ = project
+    triton = compose(path)["services"]["triton"]
+    assert triton["cap_drop"] == ["ALL"] and triton["security_opt"] == ["no-new-privileges:true"]
+    assert 1024 <= int(triton["pids_limit"])
+    policy = find(k8s["base"], "NetworkPolicy")
+    labels = find(k8s["base"], "Deployment", path.name)["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == labels
+    http, grpc, metrics = (int(p.split(":")[-1]) for p in triton["ports"])
+    (open_to_all, monitoring) = policy["spec"]["ingress"]
+    assert "from" not in open_to_all and {p["port"] for p in open_to_all["ports"]} == {http, grpc}
+    assert monitoring["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    assert [p["port"] for p in monitoring["ports"]] == [metrics]

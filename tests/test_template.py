@@ -51,6 +51,7 @@ deploy/kubernetes/base/compiled-resnet.yaml
 deploy/kubernetes/base/deployment.yaml
 deploy/kubernetes/base/hpa.yaml
 deploy/kubernetes/base/kustomization.yaml
+deploy/kubernetes/base/networkpolicy.yaml
 deploy/kubernetes/base/pdb.yaml
 deploy/kubernetes/base/services.yaml
 deploy/kubernetes/cpu/kustomization.yaml
