@@ -769,7 +769,7 @@ def test_k8s_gpu_count_matches_compose_and_the_cpu_overlay_only_drops_the_gpu(pr
     assert {k: v for k, v in cpu.items() if k not in ("env", "resources")} == {
         k: v for k, v in gpu.items() if k not in ("env", "resources")
     }
-    assert [e for e in cpu["env"] if "valueFrom" in e] == gpu["env"]
+    assert cpu["env"][: len(gpu["env"])] == gpu["env"], "the overlay adds two variables after the base's"
     gpu_pod, cpu_pod = pod_spec(k8s["base"], path), pod_spec(k8s["cpu"], path)
     assert {k: v for k, v in cpu_pod.items() if k != "containers"} == {
         k: v for k, v in gpu_pod.items() if k not in ("containers", "tolerations")
@@ -837,3 +837,19 @@ def test_containers_drop_every_capability_and_only_the_inference_ports_are_open_
     assert "from" not in open_to_all and {p["port"] for p in open_to_all["ports"]} == {http, grpc}
     assert monitoring["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
     assert [p["port"] for p in monitoring["ports"]] == [metrics]
+
+
+def test_the_budget_and_counts_set_for_compose_reach_serve_in_the_container(project, tmp_path):
+    """docs/deployment.md lists TRITON_GPU_MEMORY and TRITON_INSTANCES among compose's settings: set for `docker
+    compose up`, they reach the container, where `serve` reads them; unset, they are empty, which serve takes as
+    unset."""
+    path, _ = project
+    env = {"TRITON_GPU_MEMORY": "12GiB", "TRITON_INSTANCES": "pipeline=4,preprocess=2"}
+    given = compose(path, env=env)["services"]["triton"]["environment"]
+    assert {key: given[key] for key in env} == env
+    unset = compose(path, env={})["services"]["triton"]["environment"]
+    assert unset["TRITON_GPU_MEMORY"] == unset["TRITON_INSTANCES"] == ""
+    documented = re.findall(r"^\| `(TRITON_\w+)` \|", (path / "docs" / "deployment.md").read_text(), re.M)
+    header = (path / "docker-compose.yml").read_text().split("\nname:")[0]
+    for name in documented:  # every setting the docs give compose is named in its header, and reaches it
+        assert name in header and name in (path / "docker-compose.yml").read_text().split("\nname:")[1], name

@@ -212,6 +212,8 @@ def targets(repository: Path | str) -> list[Target]:
     from .model_repository import load_config, resnet_weight_files, tensor_datatype, torch_dtype
 
     resnet = Path(repository) / "resnet"
+    if not (resnet / "config.pbtxt").is_file():  # a repository of the user's own, without the resnet model
+        return []
     config = load_config(resnet)
     params = {key: value.string_value for key, value in config.parameters.items()}
     mode = params.get("compile", "off")
