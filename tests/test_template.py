@@ -25,6 +25,7 @@ EXPECTED_TREE = sorted(
 .github/workflows/ci.yml
 .gitignore
 .pre-commit-config.yaml
+ARCHITECTURE.md
 Dockerfile
 Makefile
 README.md
@@ -87,11 +88,13 @@ src/image_classifier/client.py
 src/image_classifier/compiled.py
 src/image_classifier/console.py
 src/image_classifier/health.py
+src/image_classifier/machine.py
 src/image_classifier/model_repository.py
 src/image_classifier/paths.py
 src/image_classifier/mps.py
 src/image_classifier/python_backend.py
 src/image_classifier/restarts.py
+src/image_classifier/rules.py
 src/image_classifier/server.py
 src/image_classifier/shm.py
 src/image_classifier/sizing.py
@@ -99,6 +102,7 @@ src/image_classifier/stages.py
 src/image_classifier/stub_deaths.py
 src/image_classifier/weights.py
 tests/conftest.py
+tests/test_architecture.py
 tests/test_cli.py
 tests/test_compiled.py
 tests/test_customizing.py

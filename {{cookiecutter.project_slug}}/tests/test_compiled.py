@@ -133,6 +133,12 @@ def test_a_package_compiled_once_serves_the_stage_as_eager_does(small, cache, tm
     assert "cached for the next start" in lines[0]
     fields = json.loads(path.with_suffix(".json").read_text())
     assert fields["weights_sha256"] == compiled.file_digest(small.weights) and fields["compile_s"] > 0
+    # checked in a fresh process against eager before it was put in place; a package of other weights fails it
+    assert fields["check"]["max_score_difference"] <= compiled.PARITY
+    torch.manual_seed(1)
+    torch.save(build_resnet("resnet18", None, 10).state_dict(), tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="failed its check in a fresh process: ValueError: its scores differ"):
+        compiled.check_in_a_fresh_process(replace(small, weights=tmp_path / "other.pt"), CPU, path)
     # a second start finds it: nothing compiles again
     lines.clear()
     stamp = path.stat().st_mtime_ns

@@ -562,7 +562,7 @@ time.sleep(60)  # between batches: waiting, as a stub waits on its queue
 def test_replaced_stubs_are_ended_once_idle_before_the_callers_reload():
     """Before the watchdog reloads the BLS callers of a model, it ends that model's replaced stubs, each once it is
     idle (health.StubWatchdog.end_replaced_once_idle): so a reload needs room for one model's new stubs at a time
-    (sizing.reload_headroom). Two processes stand in for the replaced stubs: one idle from the start is ended
+    (rules.reload_headroom). Two processes stand in for the replaced stubs: one idle from the start is ended
     within a second; one at work for 2 s is ended only after it stops, and not long after."""
     watchdog = StubWatchdog("localhost:1", {}, server_pid=None, log=lambda line: None)
     children = {

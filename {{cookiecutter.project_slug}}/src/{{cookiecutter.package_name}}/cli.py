@@ -121,7 +121,7 @@ def instances(args) -> dict[str, int]:
 def plan(args) -> int:
     """The instance counts `serve` would start, and what they hold, without starting anything."""
     from . import sizing
-    from .mps import visible_gpus
+    from .machine import visible_gpus
 
     try:
         cap, gpus = gpu_memory(args), visible_gpus()
@@ -178,12 +178,13 @@ def start_server(args, settings, container: bool, started: float, plans=()):
     import subprocess
 
     from .console import LogPump, log_header
-    from .server import TritonServer, _cache_dir
+    from .paths import cache_dir
+    from .server import TritonServer
 
     if container:
         server = TritonServer(settings, container=True)
     else:
-        log_file = args.log_file or _cache_dir() / f"tritonserver-{settings.grpc_port}.log"  # one per server
+        log_file = args.log_file or cache_dir() / f"tritonserver-{settings.grpc_port}.log"  # one per server
         log_file.parent.mkdir(parents=True, exist_ok=True)
         log_file.write_text(log_header(settings.gpus) + "".join(f"# instances: {p.line()}\n" for p in plans))
         print(f"tritonserver log: {log_file}{'' if args.verbose else '  (--verbose shows it here)'}")
@@ -488,7 +489,7 @@ def decode_on_gpu(client, images: list[bytes]):
 def compile_resnet(args) -> int:
     """Compile the resnet packages the repository asks for now, on each GPU (serve does it at start)."""
     from .compiled import compile_for_serve
-    from .mps import visible_gpus
+    from .machine import visible_gpus
 
     gpus = visible_gpus()
     if not gpus:

@@ -187,6 +187,8 @@ def compile_package(target: Target, device: torch.device, force: bool = False) -
                     package_path=str(Path(work) / path.name),
                     inductor_configs=INDUCTOR_OPTIONS[target.mode],
                 )
+                compiled_s = time.monotonic() - started
+                checked = check_in_a_fresh_process(target, device, Path(made))
                 os.replace(made, path)
         except Exception as exc:
             failed.write_text(f"{type(exc).__name__}: {exc}".splitlines()[0][:500] + "\n")
@@ -194,10 +196,62 @@ def compile_package(target: Target, device: torch.device, force: bool = False) -
         except BaseException:  # Ctrl-C, or `serve` stopping: not the compiler's failure
             failed.unlink()
             raise
-        fields |= {"export_s": round(exported, 1), "compile_s": round(time.monotonic() - started, 1)}
+        fields |= {"export_s": round(exported, 1), "compile_s": round(compiled_s, 1), "check": checked}
         path.with_suffix(".json").write_text(json.dumps(fields, indent=2) + "\n")
         failed.unlink()
     return path
+
+
+# The most a softmax score of the package may differ from the eager model's (the e2e tests' tolerance for fp16)
+PARITY = 0.02
+
+
+def check_in_a_fresh_process(target: Target, device: torch.device, package: Path) -> dict:
+    """`check_package` in a process of its own, as a stage loads the package: a package that crashes the process
+    that loads it, or answers otherwise than eager, is never put in place (ValueError, the reason)."""
+    gpu = device.index or 0 if device.type == "cuda" else -1
+    command = [sys.executable, "-m", "{{ cookiecutter.package_name }}.compiled", f"--check={package}"]
+    command += [*target.arguments(), f"--device={gpu}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        why = lines[-1] if lines else f"it ended with code {done.returncode}"
+        raise ValueError(f"the package failed its check in a fresh process: {why[:300]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def check_package(target: Target, device: torch.device, package: Path) -> dict:
+    """Load `package` as the stage does (captured as CUDA graphs on a GPU) and compare its softmax scores with the
+    eager model's on the same random pixels, at batch 1 and at the largest; ValueError if they differ by more than
+    PARITY. Returns the largest difference and whether the CUDA graphs were captured."""
+    from .stages import Classifier
+
+    stage = (target.variant, target.weights, device, target.dtype, target.max_batch_size)
+    options = dict(num_classes=target.num_classes, image_size=target.image_size)
+    graphs = Classifier(*stage, compiled=_load_package(package, device), **options)
+    eager = Classifier(*stage, cuda_graphs=False, **options)
+    generator = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for rows in sorted({1, target.max_batch_size}):
+        pixels = torch.randn(rows, 3, target.image_size, target.image_size, generator=generator)
+        pixels = pixels.to(device, eager.dtype)
+        got, want = graphs(pixels).float().softmax(1), eager(pixels).float().softmax(1)
+        worst = max(worst, float((got - want).abs().max()))
+    if worst > PARITY:
+        raise ValueError(f"its scores differ from the eager model's by up to {worst:.4f} (more than {PARITY})")
+    return {"max_score_difference": round(worst, 5), "cuda_graphs": bool(graphs.graphs)}
+
+
+def _load_package(path: Path, device: torch.device):
+    from torch._inductor import aoti_load_package
+
+    options = inspect.signature(aoti_load_package).parameters
+    kwargs = {}
+    if "run_single_threaded" in options:  # the stage captures it in CUDA graphs: no locking between threads
+        kwargs["run_single_threaded"] = True
+    if "device_index" in options and device.type == "cuda":
+        kwargs["device_index"] = device.index or 0
+    return aoti_load_package(str(path), **kwargs)
 
 
 def failure(path: Path) -> str | None:
@@ -313,16 +367,8 @@ def load(target: Target, device: torch.device):
     if not path.is_file():
         reason = failure(path) or f"no package for these weights on this GPU yet ({path.name})"
         return None, f"eager, not compiled: {reason}; `serve` compiles it at start, `compile --force` tries again"
-    from torch._inductor import aoti_load_package
-
-    options = inspect.signature(aoti_load_package).parameters
-    kwargs = {}
-    if "run_single_threaded" in options:  # the stage captures it in CUDA graphs: no locking between threads
-        kwargs["run_single_threaded"] = True
-    if "device_index" in options and device.type == "cuda":
-        kwargs["device_index"] = device.index or 0
     try:
-        return aoti_load_package(str(path), **kwargs), f"compiled ({target.mode}): {path}"
+        return _load_package(path, device), f"compiled ({target.mode}): {path}"
     except Exception as exc:  # a package from another build of torch, a corrupt file
         why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if str(exc) else type(exc).__name__
         return None, f"eager, not compiled: {path.name} did not load ({why})"
@@ -330,11 +376,21 @@ def load(target: Target, device: torch.device):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="compile the resnet packages a model repository asks for")
-    parser.add_argument("--repository", type=Path, required=True)
-    parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--repository", type=Path, help="compile what its resnet config asks for (`ensure`)")
+    parser.add_argument("--device", type=int, default=0, help="the GPU; -1: the CPU")
     parser.add_argument("--force", action="store_true", help="compile again, also what is cached or failed")
+    parser.add_argument("--check", type=Path, metavar="PACKAGE", help="check one package (`check_package`)")
+    for name in ("variant", "weights", "dtype", "max-batch-size", "num-classes", "mode", "image-size"):
+        parser.add_argument(f"--{name}")  # the target of --check (Target.arguments)
     args = parser.parse_args(argv)
-    ensure(args.repository, torch.device("cuda", args.device), args.force, log=lambda line: print(line, flush=True))
+    device = torch.device("cuda", args.device) if args.device >= 0 else torch.device("cpu")
+    if args.check:
+        dtype = {name: dtype for dtype, name in DTYPE_NAMES.items()}[args.dtype]
+        sizes = int(args.max_batch_size), int(args.num_classes)
+        target = Target(args.variant, Path(args.weights), dtype, *sizes, args.mode, int(args.image_size))
+        print(json.dumps(check_package(target, device, args.check)), flush=True)
+        return 0
+    ensure(args.repository, device, args.force, log=lambda line: print(line, flush=True))
     return 0
 
 

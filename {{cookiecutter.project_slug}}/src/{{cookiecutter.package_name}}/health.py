@@ -271,7 +271,7 @@ class StubWatchdog(threading.Thread):
         reload comes second so that it does not slow the first (on an H200 under MPS, resnet's two stubs reloaded
         beside the pipeline's sixteen reached their own setup only once the pipeline had loaded: 32 s in all), and
         once the replaced stubs of `models` have ended, so that one reload's new stubs at a time need room beside
-        what runs (the headroom `serve` sizes the counts with, sizing.reload_headroom). Two models reloaded at once
+        what runs (the headroom `serve` sizes the counts with, rules.reload_headroom). Two models reloaded at once
         (their stubs died within the same second) start their new stubs together."""
         callers = bls_callers(models)
         also = f", then its callers {', '.join(callers)}" if callers else ""

@@ -24,7 +24,7 @@ PIXELS_MODEL = "classify_pixels"
 # What the entry models (and postprocess) answer: the top-k of each image.
 OUTPUTS = ("SCORES", "CLASS_IDS", "LABELS")
 # The BLS models and the models they call: a BLS model's instance holds the tensors of its calls too, in /dev/shm
-# (shm.dev_shm_bytes) and in the CUDA memory pool (server.cuda_pool_bytes); the watchdog reloads the callers of a
+# (shm.dev_shm_bytes) and in the CUDA memory pool (rules.cuda_pool_bytes); the watchdog reloads the callers of a
 # model whose stub died (health.py). A BLS call to a model not listed here logs a warning that says so, once per
 # stub (python_backend.Instance.infer, undeclared_call).
 BLS_CALLS = {"pipeline": ("preprocess", "resnet", "postprocess")}

@@ -18,7 +18,6 @@ Where MPS cannot run, the server runs without it and `status` says why in one li
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import pwd
@@ -27,9 +26,9 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from .machine import MAX_CLIENTS, Process, _stat, alive, processes, terminate_with_parent
 from .paths import NotPrivate, private_dir, user_tmp
 
 CONTROL = "nvidia-cuda-mps-control"
@@ -41,78 +40,11 @@ QUIT_TIMEOUT_S = 3.0  # `quit` and the daemon's exit: at most this long before i
 # The longest MpsDaemon.stop() takes: quit, then SIGTERM (1 s) and SIGKILL, then the same for a leftover MPS
 # server. The shutdown budgets (compose stop_grace_period, the pod's terminationGracePeriodSeconds) include it.
 STOP_LIMIT_S = QUIT_TIMEOUT_S + 3
-# MPS client contexts one GPU takes (NVIDIA's documented limit for Volta and later). On an H200 a reload that would
-# have passed it could not create its stubs' contexts: "CUDA-capable device(s) is/are busy or unavailable".
-MAX_CLIENTS = 48
 SOCKET_PATH_MAX = 100  # a Unix socket path holds at most 107 bytes; the daemon's sockets live in the pipe dir
-
-
-def visible_gpus() -> list[int]:
-    """GPU ids the server will see, without initializing CUDA in this process."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:  # the server numbers the GPUs it is given from 0
-        return list(range(len([d for d in visible.split(",") if d.strip()])))
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    count = sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
-    return list(range(count))
-
-
-def terminate_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 class MpsUnavailable(Exception):
     """Why MPS is off on this machine; str() is the line `serve` prints."""
-
-
-@dataclass
-class Process:
-    pid: int
-    ppid: int
-    uid: int
-    comm: str
-    start: str  # start time in clock ticks since boot: a PID together with it names one process
-
-
-def _stat(pid: int) -> tuple[str, int, str] | None:
-    """(comm, ppid, start time) of a live process, else None."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    comm, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
-    if rest[0] in "ZX":  # a zombie is gone already
-        return None
-    return comm, int(rest[1]), rest[19]
-
-
-def processes() -> list[Process]:
-    """Every process this one can see."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        stat = _stat(int(entry.name))
-        try:
-            uid = entry.stat().st_uid
-        except OSError:
-            continue
-        if stat is not None:
-            found.append(Process(int(entry.name), stat[1], uid, stat[0], stat[2]))
-    return found
-
-
-def alive(pid: int, start: str | None = None) -> bool:
-    """Is `pid` running (and, with `start`, still the same process)?"""
-    stat = _stat(pid)
-    return stat is not None and (start is None or stat[2] == start)
 
 
 def _uses_pipe(pid: int, pipe_dir: Path) -> bool:
@@ -349,9 +281,9 @@ def start(gpus: list[int], enabled: bool = True) -> tuple[MpsDaemon | None, str]
 
 def clients_needed(repository: Path | str, gpu: int = 0) -> tuple[int, str]:
     """The most MPS clients the repository's server takes on GPU `gpu`, and when: its stubs there, tritonserver,
-    and the new stubs of the reload that starts the most (sizing.mps_clients, the rule `serve` sizes the counts by)."""
+    and the new stubs of the reload that starts the most (rules.mps_clients, the rule `serve` sizes the counts by)."""
     from .model_repository import instances_on_gpu, load_configs, loaded_versions
-    from .sizing import mps_clients
+    from .rules import mps_clients
 
     configs = load_configs(repository)
     counts = {name: instances_on_gpu(config, gpu) for name, config in configs.items()}

@@ -16,7 +16,7 @@ import signal
 import time
 from pathlib import Path
 
-from .mps import alive
+from .machine import alive
 
 RESTART_LIMIT = 5
 RESTART_WINDOW_S = 600.0

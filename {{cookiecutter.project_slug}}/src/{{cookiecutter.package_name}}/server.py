@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import importlib.util
-import math
 import os
 import re
 import secrets
@@ -26,17 +25,11 @@ from pathlib import Path
 
 from . import mps
 from .admin_key import ADMIN_KEY_HEADER
-from .model_repository import (
-    BLS_CALLS,
-    ENTRY_MODELS,
-    bytes_per_element,
-    instances_on_gpu,
-    load_configs,
-    tensor_datatype,
-)
-from .mps import terminate_with_parent, visible_gpus
+from .machine import terminate_with_parent, visible_gpus
+from .model_repository import ENTRY_MODELS
 from .paths import cache_dir, is_own_file
-from .shm import MiB, remove_stale_regions
+from .rules import MiB, cuda_pool_bytes
+from .shm import remove_stale_regions
 
 CONTAINER_TRITONSERVER = Path("/opt/tritonserver")  # the NGC image's server
 # Admin APIs that need the key; health, metadata and inference stay open. Clients send it as the header
@@ -89,58 +82,6 @@ def taken_ports(settings: ServerSettings) -> list[str]:
         holder = port_holder(port)
         taken.append(f"port {port} ({kind}) is in use" + (f" by {holder}" if holder else ""))
     return taken
-
-
-def cuda_pool_bytes(repository: Path | str, gpu: int = 0, counts: dict[str, int] | None = None) -> int:
-    """The CUDA memory pool of GPU `gpu` (`--cuda-memory-pool-byte-size`), sized from the repository's configs, so
-    that an edit of max_batch_size, of a tensor or of an instance count after baking resizes it at the next start.
-
-    Every GPU tensor that crosses between a Python-backend stub and the server lives in this pool: the buffers a
-    stub's GPU outputs are written to (the requester's: a BLS caller's response, an ensemble's step output), the
-    copy the Python backend makes of each GPU input of a BLS call, and the copy of a GPU input that arrives from
-    outside the pool (a CUDA shared-memory client's). When the pool is full, Triton 2.51 falls back to CUDA IPC or
-    host memory without failing the request: slower, a hop through the CPU. So the pool holds every batch in flight:
-
-        pool(gpu) = 5/4 x sum over the models (ensembles aside) with instances on `gpu` of
-                    instances on gpu x max_batch_size x GPU bytes per batch element its instance holds
-
-    An instance executes one batch at a time, and holds the GPU tensors of that batch: its model's own inputs and
-    outputs and, for a BLS model (BLS_CALLS), the inputs and outputs of every model it calls (the pipeline holds
-    preprocess's PIXELS response and the copy it sends resnet, then resnet's LOGITS). GPU tensors are the
-    non-string ones (strings always travel through /dev/shm), at their config dims and dtype. Instances on `gpu`:
-    the `count` of every instance_group that is not KIND_CPU and lists no `gpus`, or lists this one. The sum is the
-    worst case of every instance executing a full batch at once (the stages' instances serving ensembles, whose
-    step outputs the server holds, while every pipeline instance waits with its pixels); the quarter on top is for
-    the pool's fragmentation under varied batch sizes. Rounded up to 64 MiB, at least 512 MiB. `counts` ({model:
-    instances per GPU}) stands in for the configs' counts of the models it names (the counts `serve` sized). Not
-    bounded by any instance count: an ensemble's step outputs still waiting in the next step's queue; a sustained
-    ensemble load that outpaces its next step can still fill the pool (requests then slow down; they do not fail).
-    """
-    from tritonclient.grpc import model_config_pb2
-
-    configs = load_configs(repository)
-
-    def gpu_bytes(config) -> int:  # one batch element's GPU tensors: every non-string input and output
-        total = 0
-        for tensor in [*config.input, *config.output]:
-            if tensor.data_type == model_config_pb2.TYPE_STRING:
-                continue
-            if any(dim < 0 for dim in tensor.dims):
-                raise ValueError(
-                    f"{config.name}: {tensor.name} has a variable dim; the CUDA memory pool is sized from fixed dims "
-                    "(server.cuda_pool_bytes)"
-                )
-            total += math.prod(tensor.dims) * bytes_per_element(tensor_datatype(tensor))
-        return total
-
-    need = 0
-    for name, config in configs.items():
-        if config.platform == "ensemble":
-            continue
-        held = gpu_bytes(config) + sum(gpu_bytes(configs[c]) for c in BLS_CALLS.get(name, ()) if c in configs)
-        instances = (counts or {}).get(name, instances_on_gpu(config, gpu))
-        need += instances * max(1, config.max_batch_size) * held
-    return max(512 * MiB, -(-(need * 5 // 4) // (64 * MiB)) * 64 * MiB)
 
 
 @dataclass
@@ -225,10 +166,6 @@ def server_flags(settings: ServerSettings) -> list[str]:
     return flags
 
 
-def _cache_dir() -> Path:
-    return cache_dir()
-
-
 def triton_home() -> Path | None:
     """$TRITONSERVER_HOME: your own tritonserver tree (bin/tritonserver, backends/ with the Python backend
     and its stub for this interpreter already in place), used as is instead of the nvidia-pytriton wheel."""
@@ -254,7 +191,7 @@ def local_tritonserver() -> tuple[Path, Path]:
     if not stub.is_file():
         raise RuntimeError(f"nvidia-pytriton ships no Python-backend stub for Python {python}")
     version = importlib.metadata.version("nvidia-pytriton")
-    backends = _cache_dir() / f"pytriton-{version}-py{python}" / "backends"
+    backends = cache_dir() / f"pytriton-{version}-py{python}" / "backends"
     if not (backends / "python" / stub.name).is_file():
         staging = backends.with_name(f"backends.{os.getpid()}")
         shutil.copytree(home / "backends", staging, dirs_exist_ok=True)

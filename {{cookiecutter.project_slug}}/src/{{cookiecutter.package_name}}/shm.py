@@ -25,8 +25,8 @@ import numpy as np
 from tritonclient.utils import InferenceServerException
 from tritonclient.utils import shared_memory as system_shm
 
+from .machine import visible_gpus
 from .model_repository import BLS_CALLS, bytes_per_element, load_configs, loaded_versions, tensor_datatype
-from .mps import visible_gpus
 from .paths import is_own_file
 
 MiB = 1 << 20
@@ -108,7 +108,7 @@ def dev_shm_bytes(
 def dev_shm_need(repository: Path, gpus: int | None = None, counts: dict[str, int] | None = None) -> tuple[int, int]:
     """(bytes the stubs' regions grow to, bytes more during the largest reload): the rule `serve` checks before it
     starts (sizing.py) and that compose's shm_size and the Kubernetes /dev/shm limit follow."""
-    from .sizing import reload_headroom
+    from .rules import reload_headroom
 
     need = dev_shm_bytes(repository, gpus, counts=counts)
     running = sum(stubs * per_stub for stubs, per_stub in need.values())

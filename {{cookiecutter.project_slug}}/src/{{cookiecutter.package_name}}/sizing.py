@@ -12,7 +12,7 @@ counts first (`plan()`), from what it finds:
   (max batch size, precision, variant). A GPU it has never seen is costed as an H100: a context's fixed part grows
   with the SM count, which a T4, L4 or A10G has fewer of. A model of your own costs a context and
   `OTHER_STAGE_BYTES`, or what its config's `instance_gpu_memory` parameter says ("1.5GiB");
-- tritonserver itself: its context and the CUDA memory pool, which follows the counts (server.cuda_pool_bytes);
+- tritonserver itself: its context and the CUDA memory pool, which follows the counts (rules.cuda_pool_bytes);
 - headroom for a reload (`reload_headroom`): a reload starts the new stubs before the old ones go, so the largest
   of the pipeline's hot reload and the watchdog's reload of a model whose stub died (the dead stub's memory is
   already free) must fit beside what runs. The watchdog then reloads the BLS models calling it, but only once that
@@ -41,8 +41,10 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .machine import MAX_CLIENTS
 from .model_repository import BLS_CALLS, instances_on_gpu, load_configs, loaded_versions
-from .mps import MAX_CLIENTS
+from .paths import cache_dir
+from .rules import cuda_pool_bytes, mps_clients, reload_headroom
 
 MiB, GiB = 1 << 20, 1 << 30
 MARGIN = 0.05  # of the budget, kept free for what the estimates miss (fragmentation, a driver's own allocations)
@@ -229,35 +231,6 @@ def ceilings(configs: dict, gpu: int | None) -> dict[str, int]:
     return {name: out[name] for name in ranked if out[name]}
 
 
-def reload_sets(counts: dict[str, int]) -> list[tuple[list[str], int]]:
-    """(models, new stubs minus the dead one) for each reload whose new stubs start beside the running ones: the
-    watchdog's of a model whose stub died, and a BLS model's hot reload (the pipeline's by `reload`, or the
-    watchdog's of a caller, which waits for the called model's replaced stubs to end)."""
-    sets = [([name], -1) for name in counts]  # the dead stub's process is gone
-    for caller in BLS_CALLS:
-        if caller in counts:
-            sets.append(([caller], 0))  # a hot reload: every old stub still runs
-    return sets
-
-
-def reload_headroom(counts: dict[str, int], cost: dict[str, int]) -> tuple[int, int, str]:
-    """(bytes, stubs, which reload) of the largest reload beside the running stubs."""
-    best = (0, 0, "none")
-    for models, less in reload_sets(counts):
-        size = sum(counts[m] * cost[m] for m in models) + less * cost[models[0]]
-        stubs = sum(counts[m] for m in models) + less
-        if size > best[0]:
-            best = (size, stubs, " and ".join(models))
-    return best
-
-
-def mps_clients(stubs: dict[str, int]) -> tuple[int, int, str]:
-    """(clients, new stubs, which reload) for `stubs` per model on one GPU (every loaded version's): those stubs,
-    tritonserver, and the new stubs of the reload that starts the most, whatever their bytes."""
-    _, reload, models = reload_headroom(stubs, dict.fromkeys(stubs, 1))
-    return sum(stubs.values()) + 1 + reload, reload, models
-
-
 @dataclass
 class DevicePlan:
     device: Device
@@ -315,7 +288,6 @@ def plan(
 ) -> list[DevicePlan]:
     """The counts for `repository` on `devices` (GPUs, or one CPU Device): one DevicePlan per device, all with the
     same counts (a config's count applies to every GPU alike), those of the tightest device. Raises NothingFits."""
-    from .server import cuda_pool_bytes
     from .shm import dev_shm_need
 
     configs = load_configs(repository)
@@ -458,9 +430,7 @@ def plan_for_serve(repository: Path | str, gpus: list[int], cap, pinned: dict[st
 
 
 def record_path(grpc_port: int) -> Path:
-    from .server import _cache_dir
-
-    return _cache_dir() / f"plan-{grpc_port}.json"
+    return cache_dir() / f"plan-{grpc_port}.json"
 
 
 def config_name(grpc_port: int) -> str:
@@ -480,7 +450,7 @@ def forget(grpc_port: int) -> None:
 
 def summary(grpc_port: int) -> str | None:
     """The plan of the `serve` still running on this port, as it printed it; None when there is none."""
-    from .mps import alive
+    from .machine import alive
 
     try:
         data = json.loads(record_path(grpc_port).read_text())

@@ -16,7 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
-from .mps import alive
+from .machine import alive
 from .paths import NotPrivate, private_dir, user_tmp
 
 POLL_S = 0.5  # how often a BLS model's guard looks for a death of the model its call waits on
