@@ -8,7 +8,8 @@
 #   scripts/gpu_suite.sh OUT 3               # the third
 #   scripts/gpu_suite.sh --merge A.xml B.xml >docs/benchmarks/h200-suite-COMMIT.xml    # here: one JUnit file
 #
-# Three parts of about 400-500 s each on an H100 (a call of 600 s): part 1 is the reliability tests but the
+# Three parts of about 400-500 s each on an H100 (a call of 600 s), plus the ResNet's compile on each fresh machine
+# (below: SUITE_COMPILE): part 1 is the reliability tests but the
 # watchdog's and the guard's, part 2 the GPU, MPS, shared-memory and CLI tests (the CLI's start servers of their own),
 # part 3 the watchdog's and the guard's, then every other test file, so a new one is never left out. A test file or
 # node id of the baked project (relative to its root, e.g. tests/test_customizing.py) instead of a part number runs
@@ -51,6 +52,14 @@ if [[ -f ../bin/ruff.xz ]]; then  # gpu_bake.sh: ruff, for the recipes' lint che
 fi
 image-classifier weights random >/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+# The compiled ResNet (compiled.py): each fresh machine compiles it once for the suite's weights (max-autotune: about
+# 5 min of the part's time; SUITE_COMPILE=default compiles faster, =off tests eager), then every test server loads it.
+if [[ -n ${SUITE_COMPILE:-} ]]; then
+  python -c "from image_classifier.model_repository import set_parameter as s; s('model_repository', 'resnet', 'compile', '$SUITE_COMPILE')"
+fi
+started=$SECONDS
+image-classifier compile 2>&1 | grep -v "^  still" | tee "$out/compile.log"
+echo "compile: $((SECONDS - started)) s"
 # GPU tests first: should a part run out of time, what matters most has run.
 first=(tests/test_reliability.py)
 second=(tests/test_gpu.py tests/test_mps.py tests/test_shared_memory.py tests/test_cli.py)
