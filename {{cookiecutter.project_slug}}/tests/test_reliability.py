@@ -307,6 +307,43 @@ def test_overload_is_rejected_fast_instead_of_queued_forever(own_server, max_bat
 
 
 @local_server_only
+def test_a_stage_rejecting_for_overload_reaches_the_pipelines_client_as_unavailable(model_repository, tmp_path):
+    """Triton 2.51 gives every BLS response's error the code INTERNAL. A stage that rejects the pipeline's call for
+    overload (its queue full) must still reach the client as UNAVAILABLE, as the ensemble's answer does, so that
+    gRPC retry policies and load balancers retry it: four pipeline instances call one preprocess instance whose
+    queue holds one request."""
+    triton = start_server(model_repository, tmp_path, counts={"pipeline": 4, "preprocess": 1})
+    image, burst = make_image(6, size=(640, 480)), 24
+    gate = threading.Barrier(burst)
+
+    def send(_):
+        gate.wait()
+        try:
+            infer(triton.grpc_url, [image_input([image] * 4)])
+            return "ok", "ok"
+        except InferenceServerException as exc:
+            return exc.status(), exc.message()
+
+    try:
+        with grpcclient.InferenceServerClient(triton.grpc_url) as client:
+            config = client.get_model_config("preprocess", as_json=True)["config"]
+            config["dynamic_batching"]["default_queue_policy"]["max_queue_size"] = "1"
+            client.load_model("preprocess", config=json.dumps(config), headers=triton.settings.admin_headers)
+        wait_for_configured_stubs(triton, 120)
+        with ThreadPoolExecutor(burst) as pool:
+            outcomes = list(pool.map(send, range(burst)))
+    finally:
+        triton.stop()
+    rejected = [(status, message) for status, message in outcomes if status != "ok"]
+    print(f"\nstage overload: {burst - len(rejected)} served, {len(rejected)} rejected: {rejected[:2]}")
+    assert rejected and burst - len(rejected) > 0, outcomes
+    assert all(
+        status == "StatusCode.UNAVAILABLE" and message.startswith("preprocess: ") and "Exceeds maximum queue" in message
+        for status, message in rejected
+    ), rejected
+
+
+@local_server_only
 def test_hot_reload_of_the_pipeline_under_load_loses_no_request(own_server):
     """docs/customizing.md, recipe 4: a new pipeline version beside the running one, loaded with the admin key."""
     repo = own_server.settings.model_repository

@@ -35,6 +35,19 @@ from .stages import InvalidImage, Postprocess, Preprocess, read_labels
 # Triton 2.51 drops the error code of a BLS response (has_error() answers INTERNAL for everything), so an
 # input error raised by one stage carries this prefix to keep INVALID_ARG on its way back to the client.
 INVALID_INPUT = "invalid input: "
+# ... and these, Triton's own words for a stage that is overloaded, past its queue timeout or whose stub died, get
+# back the UNAVAILABLE that Triton's core gave them (the ensemble's answer for the same event): a client, gRPC retry
+# policy or load balancer retries UNAVAILABLE, not INTERNAL.
+UNAVAILABLE_MESSAGES = ("Exceeds maximum queue size", "Request timeout expired", "Stub process", "is not healthy")
+
+
+def restored_code(message: str, code: int) -> int:
+    """The code a stage's error had before 2.51 dropped it from the BLS response, where its message tells."""
+    if INVALID_INPUT in message:
+        return pb_utils.TritonError.INVALID_ARG
+    if any(text in message for text in UNAVAILABLE_MESSAGES):
+        return pb_utils.TritonError.UNAVAILABLE
+    return code
 
 
 class StageError(Exception):
@@ -126,7 +139,7 @@ class Instance:
             response = request.exec()
         if response.has_error():
             message = response.error().message()
-            code = pb_utils.TritonError.INVALID_ARG if INVALID_INPUT in message else response.error().code()
+            code = restored_code(message, response.error().code())
             if SHM_GROWTH_FAILED in message:  # the called stub's /dev/shm region could not grow
                 message = f"{DEV_SHM_ADVICE}. {message}"
             raise StageError(f"{model_name}: {message}", code)
