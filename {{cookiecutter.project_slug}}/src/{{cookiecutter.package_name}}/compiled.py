@@ -1,8 +1,8 @@
 """The ResNet compiled ahead of time (torch.export + AOTInductor): compiled once per key, cached on disk, loaded by
 every resnet instance, restart and reload.
 
-Compiling takes minutes (Inductor fuses each convolution with its batch norm, ReLU and residual add, and in
-`max-autotune` times candidate kernels for every convolution on this GPU); loading the package (`.pt2`) takes
+Compiling takes minutes (batch norm is folded into each convolution, Inductor fuses the ReLUs and residual adds and,
+in `max-autotune`, times candidate kernels for every convolution on this GPU); loading the package (`.pt2`) takes
 seconds and needs no compiler. `serve` compiles what is missing before tritonserver starts (`compile_for_serve`, in a
 child process: a compiler's crash is not the server's), and the stage loads it (`load`); a stage that finds no
 package, or cannot load one, runs eager with CUDA graphs and says why in one line.
@@ -36,22 +36,21 @@ from pathlib import Path
 
 import torch
 
+from .paths import cache_dir
+
 FORMAT = 1  # what a package holds and how it is exported: a change here is a new key
 MODES = ("max-autotune", "default", "off")
 # Inductor's options per mode. Batch norm is folded into the convolutions before export (`export`).
 INDUCTOR_OPTIONS = {"max-autotune": {"max_autotune": True}, "default": {}}
-# What a first start waits for, said before it starts (measured on an H100, resnet50; see docs/performance.md)
-EXPECTED = {"max-autotune": "about 5 min", "default": "about 1 min"}
+# What a first start waits for, said before it starts: resnet50 in max-autotune took 303 s to compile on an H100
+EXPECTED = {"max-autotune": "about 5 min", "default": "a few minutes at most"}
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 CACHE_ENV = "TRITON_COMPILE_CACHE"
 
 
 def cache_root() -> Path:
     """Where packages live: $TRITON_COMPILE_CACHE (the container's named volume), else the user's cache."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")  # an empty XDG_CACHE_HOME is unset
-    return Path(base) / "{{ cookiecutter.project_slug }}" / "compiled"
+    return Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else cache_dir() / "compiled"
 
 
 def file_digest(path: Path | str) -> str:
