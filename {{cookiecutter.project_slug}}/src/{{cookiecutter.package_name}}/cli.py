@@ -43,10 +43,6 @@ def serve(args) -> int:
             file=sys.stderr,
         )
         return 1
-    # SIGTERM (docker stop) and SIGHUP (terminal closed) take the Ctrl-C path below. Stopping inside a handler
-    # deadlocked: its Popen.wait() cannot reap while the interrupted outer wait() holds Popen's wait lock.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    signal.signal(signal.SIGHUP, signal.default_int_handler)
     try:  # the instance counts this machine carries (sizing.py), before anything starts
         plans = sizing.plan_for_serve(
             settings.model_repository, settings.gpus, gpu_memory(args), instances(args), args.mps
@@ -66,6 +62,10 @@ def serve(args) -> int:
     for device_plan in plans:
         print(f"instances: {device_plan.line()}")
     sizing.record(settings.grpc_port, plans)
+    # SIGTERM (docker stop) and SIGHUP (terminal closed) take the Ctrl-C path below. Stopping inside a handler
+    # deadlocked: its Popen.wait() cannot reap while the interrupted outer wait() holds Popen's wait lock.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.default_int_handler)
     try:
         if settings.gpus:  # the compiled ResNet, once per weights and GPU model (compiled.py)
             from .compiled import compile_for_serve
@@ -301,7 +301,7 @@ def print_ready(server, started: float, key_place: str) -> None:
     )
     if key_place == admin_key.ENV:
         return
-    if not key_place.startswith("/"):  # the file could not be written: the key is nowhere, and never printed
+    if key_place.startswith("this start only"):  # no file could be written: the key is nowhere, never printed
         print(f"admin key: {key_place}; set {admin_key.ENV} to use the admin APIs")
     elif server.container:
         print(f"admin key: in {key_place} (docker compose exec triton cat {key_place}; or set {admin_key.ENV})")
