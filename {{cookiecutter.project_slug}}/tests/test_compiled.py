@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from {{ cookiecutter.package_name }} import compiled
-from {{ cookiecutter.package_name }}.model_repository import load_config, pixels_dtype, set_parameter
+from {{ cookiecutter.package_name }}.model_repository import load_config, pixels_dtype, resnet_weight_files, set_parameter
 from {{ cookiecutter.package_name }}.stages import Classifier, build_resnet
 
 CPU = torch.device("cpu")
@@ -33,11 +33,12 @@ def small(tmp_path) -> compiled.Target:
 
 
 def test_targets_follow_the_resnet_config(model_repository):
-    (target,) = compiled.targets(model_repository)
-    assert target.mode == "max-autotune" and target.image_size == 224
-    assert target.weights == model_repository / "resnet" / "1" / "weights.pt"
-    assert target.dtype == pixels_dtype(model_repository)
-    assert target.max_batch_size == load_config(model_repository / "resnet").max_batch_size
+    targets = compiled.targets(model_repository)
+    assert [t.weights for t in targets] == resnet_weight_files(model_repository)  # a package per version (recipe 3)
+    for target in targets:
+        assert target.mode == "max-autotune" and target.image_size == 224
+        assert target.dtype == pixels_dtype(model_repository)
+        assert target.max_batch_size == load_config(model_repository / "resnet").max_batch_size
 
 
 def test_compile_off_asks_for_nothing_and_an_unknown_mode_is_refused(model_repository, tmp_path):
