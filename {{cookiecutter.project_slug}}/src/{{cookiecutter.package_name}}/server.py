@@ -37,10 +37,20 @@ CONTAINER_TRITONSERVER = Path("/opt/tritonserver")  # the NGC image's server
 RESTRICTED_APIS = "model-repository,shared-memory,statistics,trace,logging"
 
 
+_HANDED_OUT: set[int] = set()  # the ports free_port gave this process
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, and never one this process was given before: the kernel may hand a port just
+    closed out again, and three calls in a row once gave a server the same HTTP and metrics port (it refused to
+    start)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def port_holder(port: int) -> str | None:
