@@ -179,6 +179,7 @@ def test_the_key_file_is_read_when_no_key_is_given(server, env, images):
     assert list(rows(done.stdout)) == [str(images["cat.jpg"])]
 
 
+@local_server_only
 @pytest.mark.parametrize("container", ["--container", "--no-container"])
 def test_print_flags_shows_every_flag_but_the_admin_key(env, container):
     """The flags are for reading (docs/deployment.md shows how): the key in them is masked, from the environment
