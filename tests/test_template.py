@@ -96,6 +96,7 @@ src/image_classifier/python_backend.py
 src/image_classifier/restarts.py
 src/image_classifier/rules.py
 src/image_classifier/server.py
+src/image_classifier/serving.py
 src/image_classifier/shm.py
 src/image_classifier/sizing.py
 src/image_classifier/stages.py

@@ -353,8 +353,11 @@ class TritonServer:
     def grpc_url(self) -> str:
         return f"localhost:{self.settings.grpc_port}"
 
-    def wait_ready(self, timeout_s: float = 300, progress=None, load_errors: dict | None = None) -> None:
-        """Block until every model is loaded; `progress(states)` is called whenever model states change.
+    def wait_ready(
+        self, timeout_s: float = 300, progress=None, load_errors: dict | None = None, cancelled=None
+    ) -> None:
+        """Block until every model is loaded; `progress(states)` is called whenever model states change, and
+        KeyboardInterrupt is raised as soon as `cancelled()` is true.
 
         Fails fast, naming the model (ModelLoadError), once a model has failed to load (`load_errors`, filled by
         `console.LogPump` from the server's log) or a model instance's stub has exited before the server was ready:
@@ -367,6 +370,8 @@ class TritonServer:
         client = grpcclient.InferenceServerClient(self.grpc_url)
         deadline, last, stubs, dead = time.monotonic() + timeout_s, None, {}, None
         while time.monotonic() < deadline:
+            if cancelled is not None and cancelled():
+                raise KeyboardInterrupt
             exited = self.process.poll() is not None
             if exited and load_errors is not None:
                 time.sleep(0.5)  # the log pump reads the last lines the server wrote
@@ -419,12 +424,14 @@ class TritonServer:
         try:
             with grpcclient.InferenceServerClient(self.grpc_url) as client:
                 headers = self.settings.admin_headers
-                loaded = [m for m in self.settings.entry_models if client.is_model_ready(m)]
+                # every call bounded: a server that stopped answering must not hold up the stop
+                loaded = [m for m in self.settings.entry_models if client.is_model_ready(m, client_timeout=5)]
                 before = live_stubs()
                 for model in loaded:
-                    client.unload_model(model, headers=headers)
+                    client.unload_model(model, headers=headers, client_timeout=5)
                 while time.monotonic() < deadline:
-                    index = client.get_model_repository_index(headers=headers, as_json=True).get("models", [])
+                    index = client.get_model_repository_index(headers=headers, as_json=True, client_timeout=5)
+                    index = index.get("models", [])
                     unloading = {m["name"] for m in index if m.get("state") == "UNLOADING"}
                     now = live_stubs()
                     if all(m not in unloading or now[m] < before[m] for m in loaded):
@@ -467,7 +474,7 @@ class TritonServer:
             for pid in stubs:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-            code = self.process.wait()
+            code = self.process.wait(30)  # SIGKILLed: reaped at once
             if drained and hasattr(self.log, "write"):
                 self.log.write(f"drained; ended the teardown after {TEARDOWN_GRACE_S} s ({len(stubs)} stubs left)\n")
                 self.log.flush()
