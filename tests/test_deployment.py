@@ -798,8 +798,10 @@ def test_k8s_admin_key_secret_autoscaler_and_disruption_budget(project, k8s):
     (rule,) = values["rules"]["custom"]
     assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == rule["name"]["as"]
     query = re.sub(r"\{<<\.LabelMatchers>>\}", "", rule["metricsQuery"])
-    expected = "delta(nv_inference_queue_duration_us[30s])/(1+delta(nv_inference_request_success[30s]))"
-    assert query == f"avg({expected}) by (<<.GroupBy>>)"
+    # per model, queue time per request served; per pod, the worst model's; increase() reads through a restart's
+    # counter reset (delta() does not)
+    expected = "increase(nv_inference_queue_duration_us[1m])/(1+increase(nv_inference_request_success[1m]))"
+    assert query == f"max({expected}) by (<<.GroupBy>>)" and "delta(" not in rule["metricsQuery"]
     assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
     pdb = find(docs, "PodDisruptionBudget")
     assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]

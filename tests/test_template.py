@@ -109,7 +109,9 @@ tests/test_compiled.py
 tests/test_customizing.py
 tests/test_e2e.py
 tests/test_gpu.py
+tests/test_hostile_clients.py
 tests/test_mps.py
+tests/test_observability.py
 tests/test_reliability.py
 tests/test_security.py
 tests/test_shared_memory.py
@@ -183,6 +185,7 @@ def test_every_config_is_a_valid_model_config_with_the_answers(baker, answers):
     queue = {m: model_config(project, m).dynamic_batching.default_queue_policy.max_queue_size for m in models}
     # 64 clients at once queue at any max batch; preprocess also queues the pipeline's BLS calls.
     assert queue["pipeline"] == max(64, 4 * batch) and queue["preprocess"] == 2 * queue["pipeline"]
+    assert queue["resnet"] == queue["postprocess"] == queue["preprocess"], "every stage's queue is bounded"
     variant = answers.get("resnet_variant", "resnet50")
     assert model_config(project, "resnet").parameters["variant"].string_value == variant
     # The class count lives in resnet's labels file (Triton's label_filename); every dims value agrees with it.

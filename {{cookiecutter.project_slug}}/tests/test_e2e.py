@@ -1,14 +1,27 @@
 """End to end over gRPC against a real tritonserver: the BLS pipeline, the ensemble and bad input."""
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from conftest import EXTERNAL_GRPC_URL, assert_same_answers, image_input, infer, local_server, make_image, outputs
+from conftest import (
+    EXTERNAL_GRPC_URL,
+    PROJECT,
+    assert_same_answers,
+    image_input,
+    infer,
+    local_server,
+    local_server_only,
+    make_image,
+    outputs,
+)
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
@@ -190,3 +203,28 @@ def test_the_other_stage_settings_answer_as_the_shipped_ones(server, model_repos
     for settings, calls in ((other, called), (shipped, {m: after[m] - before[m] for m in STAGES})):
         for stage, value in settings.items():
             assert (calls[stage] > 0) == (value == "bls"), f"{stage}: {value!r}, its model called {calls[stage]}x"
+
+
+def doc_snippet(marker: str) -> str:
+    """The code block after `<!-- marker -->` in docs/deployment.md."""
+    text = (PROJECT / "docs" / "deployment.md").read_text()
+    return text.split(f"<!-- {marker} -->\n", 1)[1].split("```", 2)[1].split("\n", 1)[1]
+
+
+@local_server_only
+@pytest.mark.parametrize("marker", ["http-python", "http-curl"])
+def test_the_http_examples_in_the_docs_answer_as_grpc_does(server, tmp_path, marker):
+    """docs/deployment.md's tritonclient.http and curl examples, as written, against the server's HTTP port."""
+    image = make_image(7)
+    (tmp_path / "cat.jpg").write_bytes(image)
+    code = doc_snippet(marker).replace("localhost:{{ cookiecutter.http_port }}", f"localhost:{server.settings.http_port}")
+    argv = [sys.executable, "-c", code] if marker == "http-python" else ["bash", "-eo", "pipefail", "-c", code]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    expected = outputs(infer(server.grpc_url, [image_input([image])]))
+    label, score = expected["LABELS"][0][0].decode(), float(expected["SCORES"][0][0])
+    if marker == "http-curl":
+        answer = {o["name"]: o["data"] for o in json.loads(done.stdout)["outputs"]}
+        assert answer["LABELS"][0] == label and abs(answer["SCORES"][0] - score) < 1e-5, answer
+    else:
+        assert label in done.stdout and f"{score:.4f}"[:5] in done.stdout, done.stdout

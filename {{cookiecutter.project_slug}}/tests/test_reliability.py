@@ -21,6 +21,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from conftest import image_input, infer, local_server_only, make_image, png_header
 from PIL import Image
+from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
 from {{ cookiecutter.package_name }} import stub_deaths
@@ -39,6 +40,7 @@ from {{ cookiecutter.package_name }}.model_repository import (
     bls_callers,
     load_config,
     loaded_versions,
+    numpy_dtype,
     set_instance_counts,
     set_parameter,
 )
@@ -341,6 +343,39 @@ def test_a_stage_rejecting_for_overload_reaches_the_pipelines_client_as_unavaila
         status == "StatusCode.UNAVAILABLE" and message.startswith("preprocess: ") and "Exceeds maximum queue" in message
         for status, message in rejected
     ), rejected
+
+
+def test_a_requests_deadline_reaches_the_stage_it_waits_at(server, model_repository):
+    """A request's timeout (the client's `timeout`, microseconds) goes with each BLS call the pipeline makes for it:
+    queued behind a backlog at resnet, it is answered UNAVAILABLE once its deadline has passed, naming the stage,
+    instead of waiting out the pipeline's 30 s bls_timeout_us and being served to a client that has gone."""
+    datatype = model_config_pb2.DataType.Name(load_config(model_repository / "resnet").input[0].data_type)
+    if datatype == "TYPE_BF16":
+        pytest.skip("BF16 pixels have no numpy type to send them from")
+    pixels = np.zeros((8, 3, 224, 224), dtype=numpy_dtype(datatype))
+    tensor = grpcclient.InferInput("PIXELS", list(pixels.shape), datatype.removeprefix("TYPE_"))
+    tensor.set_data_from_numpy(pixels)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        started = time.monotonic()
+        client.infer("resnet", [tensor], client_timeout=120)
+        each = time.monotonic() - started
+    backlog = int(6 / each) + 2  # about 6 s of resnet work, under its queue's 10 s timeout
+
+    def direct(_):
+        with contextlib.suppress(InferenceServerException), grpcclient.InferenceServerClient(server.grpc_url) as c:
+            c.infer("resnet", [tensor], client_timeout=120)
+
+    with ThreadPoolExecutor(backlog) as pool:
+        busy = [pool.submit(direct, i) for i in range(backlog)]
+        time.sleep(min(1.0, each))  # the backlog is queued at resnet
+        with pytest.raises(InferenceServerException) as info, grpcclient.InferenceServerClient(server.grpc_url) as c:
+            c.infer("pipeline", [image_input([make_image(0)])], timeout=int(min(1.0, each) * 1e6), client_timeout=120)
+        for future in busy:
+            future.result()
+    message = info.value.message()
+    print(f"\nresnet backlog of {backlog} x {each:.2f} s: {message}")
+    assert info.value.status() == "StatusCode.UNAVAILABLE", message
+    assert message.startswith("resnet: ") and "timeout" in message.lower(), message
 
 
 @local_server_only

@@ -10,7 +10,7 @@ from conftest import make_image, png_header
 from PIL import Image
 from torchvision.transforms import v2
 
-from {{ cookiecutter.package_name }}.model_repository import load_config, resnet_weights, top_k
+from {{ cookiecutter.package_name }}.model_repository import load_config, parameters, resnet_weights, top_k
 from {{ cookiecutter.package_name }}.stages import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -19,6 +19,8 @@ from {{ cookiecutter.package_name }}.stages import (
     InvalidImage,
     Postprocess,
     Preprocess,
+    RequestLimits,
+    RequestTooLarge,
     _Image,
     imagenet_labels,
     inspect_image,
@@ -77,6 +79,28 @@ def test_batch_isolates_a_bad_group():
     assert isinstance(results[1], InvalidImage)
     # the good groups get the very pixels they would get alone
     torch.testing.assert_close(results[0], Preprocess()(good))
+
+
+def test_a_request_over_a_cap_fails_alone_and_before_any_decode():
+    """Each cap (bytes an image, bytes a request, pixels a request by the headers) fails only its own group, and
+    before anything is decoded: PNG headers that claim pixels and hold none would fail to decode otherwise."""
+    good = make_image(0)
+    n = len(good)
+    preprocess = Preprocess(limits=RequestLimits(image_bytes=2 * n, request_bytes=4 * n, request_pixels=1_000_000))
+    groups = [[good + bytes(2 * n)], [good + bytes(n // 2)] * 3, [png_header(800, 1000), png_header(400, 1000)], [good]]
+    results = preprocess.batch(groups)
+    assert all(isinstance(r, RequestTooLarge) for r in results[:3]), results
+    assert str(results[0]) == f"image of {3 * n} bytes: over max_image_bytes ({2 * n})"
+    assert str(results[1]) == f"request of {3 * (n + n // 2)} bytes: over max_request_bytes ({4 * n})"
+    assert str(results[2]) == "request of 1200000 pixels: over max_request_pixels (1000000)"
+    assert results[3].shape == (1, 3, 224, 224), "the good request is served"
+
+
+def test_the_request_caps_in_the_config_are_the_code_defaults():
+    """One default, stated in preprocess's config.pbtxt and in RequestLimits: the same."""
+    from conftest import PROJECT
+
+    assert RequestLimits.from_parameters(parameters(PROJECT / "model_repository" / "preprocess")) == RequestLimits()
 
 
 @pytest.mark.parametrize("fraction", [1 / 3, 0.9, 0.999])

@@ -346,6 +346,14 @@ def add_serve(commands) -> None:
         action="store_true",
         help="rotate the admin key: write a new one to its file before starting (clients of the old one are refused)",
     )
+    p.add_argument(
+        "--trace",
+        metavar="URL|FILE",
+        help="trace requests, a pipeline request's three stage calls beneath it: to an OpenTelemetry collector "
+        "(http://collector:4318/v1/traces), or as Triton's JSON to a file, written as the server stops "
+        "($TRITON_TRACE; default: off)",
+    )
+    p.add_argument("--trace-rate", type=int, default=1, help="with --trace: trace every Nth request (default: 1)")
     add_sizing(p)
     p.add_argument("--print-flags", action="store_true", help="print the tritonserver flags, one per line, and exit")
     p.add_argument(

@@ -180,8 +180,11 @@ class ImageClassifier:
 
     def _call(self, model, inputs, outputs, parameters: dict | None = None) -> grpcclient.InferResult:
         try:
+            # the deadline twice: the client gives up after timeout_s, and the server (its queues, each BLS call)
+            # rejects the request once it has waited that long, instead of serving a client that has gone
+            timeout_us = int(self.timeout_s * 1e6) if self.timeout_s else None
             return self.client.infer(
-                model, inputs, outputs=outputs, client_timeout=self.timeout_s, parameters=parameters
+                model, inputs, outputs=outputs, client_timeout=self.timeout_s, timeout=timeout_us, parameters=parameters
             )
         except InferenceServerException as exc:
             message = exc.message() or ""

@@ -30,7 +30,7 @@ from torch.utils.dlpack import from_dlpack
 from . import stub_deaths
 from .model_repository import parameters, pixels_dtype, torch_dtype, undeclared_call
 from .shm import DEV_SHM_ADVICE, SHM_GROWTH_FAILED
-from .stages import InvalidImage, Postprocess, Preprocess, read_labels
+from .stages import InvalidImage, Postprocess, Preprocess, RequestLimits, read_labels
 
 # Triton 2.51 drops the error code of a BLS response (has_error() answers INTERNAL for everything), so an
 # input error raised by one stage carries this prefix to keep INVALID_ARG on its way back to the client.
@@ -77,6 +77,8 @@ class Instance:
         self.parameters = {k: v["string_value"] for k, v in self.config.get("parameters", {}).items()}
         self.called: set[str] = set()  # the models this instance has made BLS calls to
         self.guard = Guard()  # answers the requests of an execute whose BLS call will never return
+        self.trace = None  # the trace of the batch being served (serve), its BLS calls its children
+        self.request_timeout_us = 0
 
     def bind(self) -> None:
         """Make this instance's GPU the calling thread's current CUDA device.
@@ -119,9 +121,12 @@ class Instance:
         Results land in this instance's memory (GPU or CPU) through `preferred_memory`, or in host memory with
         `on_host`: for string outputs (with GPU preferred memory Triton puts them on the GPU too, where
         `as_numpy()` cannot read them) and for results that only go back to the client anyway.
-        `model_version` pins a version of the model (-1: the newest loaded one).
+        `model_version` pins a version of the model (-1: the newest loaded one). A timeout a client gave a request
+        of the batch (`serve`) shortens `timeout_us`.
         """
         self.bind()
+        if self.request_timeout_us:  # a client's deadline: the call carries it to the stage's queue
+            timeout_us = min(timeout_us or self.request_timeout_us, self.request_timeout_us)
         if model_name not in self.called:  # the first call to this model: is it in BLS_CALLS?
             self.called.add(model_name)
             if undeclared := undeclared_call(self.name, model_name):
@@ -133,6 +138,7 @@ class Instance:
             requested_output_names=outputs,
             preferred_memory=self.host_memory if on_host else self.preferred_memory,
             timeout=timeout_us,
+            **({"trace": self.trace} if self.trace is not None else {}),
         )
         deadline_s = timeout_us / 1e6 + 5 if timeout_us else None
         with self.guard.watching(model_name, deadline_s):  # a stage whose stub died may never answer (2.51, a GPU)
@@ -150,6 +156,11 @@ class Instance:
         return, the guard answers every request meanwhile; then this returns None, as Triton has had every
         response, and the stub stays in that call until the watchdog's reload of this model ends it."""
         self.guard.begin(requests)
+        # The BLS calls of this batch are traced as children of its first request (Triton's tracing for BLS): with
+        # --trace-config on (serve --trace), one pipeline request shows its three stage calls beneath it.
+        self.trace = requests[0].trace() if requests else None
+        # The shortest timeout a client gave a request of this batch (microseconds; 0: none): no BLS call waits longer.
+        self.request_timeout_us = min((t for request in requests if (t := request.timeout())), default=0)
         try:
             responses = execute(requests)
         except Exception:
@@ -288,6 +299,17 @@ def fused_preprocess(instance: Instance, args: dict):
         return pixels
 
     return preprocess
+
+
+def request_limits(args: dict) -> RequestLimits:
+    """The preprocess model's caps on one request (stages.RequestLimits), for a BLS model that hands it encoded
+    images: checked before the call, a request over a cap never reaches preprocess's stub."""
+    return RequestLimits.from_parameters(parameters(Path(args["model_repository"]).parent / "preprocess"))
+
+
+def bytes_of(images: pb_utils.Tensor) -> list[int]:
+    """The byte length of each encoded image of a request."""
+    return [len(image) for image in images.as_numpy().reshape(-1)]
 
 
 def fused_postprocess(instance: Instance, args: dict):
@@ -441,10 +463,18 @@ class Batch:
         return Batch.of(parts)
 
 
-def batch_then_alone(stage, inputs: list[pb_utils.Tensor]) -> Batch:
+def batch_then_alone(stage, inputs: list[pb_utils.Tensor], check=None) -> Batch:
     """`stage(x)` once on every request's input joined (a host input, as encoded images are); if that fails
     with an input error, once on each request's input alone, so that the error reaches only the request that sent
-    the bad input. Any other error (overload, a timeout) is no request's fault: every request answers with it."""
+    the bad input. Any other error (overload, a timeout) is no request's fault: every request answers with it.
+    With `check`, a request whose input `check(input)` raises on answers with that exception, never joined."""
+    if check is not None:
+        refused = {i: exc for i, tensor in enumerate(inputs) if (exc := _raised(check, tensor)) is not None}
+        if refused:
+            served = [tensor for i, tensor in enumerate(inputs) if i not in refused]
+            rest = batch_then_alone(stage, served) if served else Batch(None, [])
+            sizes = iter(rest.sizes)
+            return Batch(rest.data, [refused[i] if i in refused else next(sizes) for i in range(len(inputs))])
     joined = inputs[0]
     if len(inputs) > 1:
         joined = pb_utils.Tensor(inputs[0].name(), np.concatenate([tensor.as_numpy() for tensor in inputs]))
@@ -454,6 +484,14 @@ def batch_then_alone(stage, inputs: list[pb_utils.Tensor]) -> Batch:
         if len(inputs) == 1 or not is_input_error(exc):
             return Batch(None, [exc] * len(inputs))
     return Batch.of([_result_or_error(stage, tensor) for tensor in inputs])
+
+
+def _raised(check, tensor: pb_utils.Tensor) -> Exception | None:
+    try:
+        check(tensor)
+    except Exception as exc:
+        return exc
+    return None
 
 
 def _result_or_error(stage, tensor: pb_utils.Tensor) -> Any:

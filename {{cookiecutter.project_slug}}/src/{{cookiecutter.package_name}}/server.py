@@ -122,6 +122,10 @@ class ServerSettings:
     # which Triton then reads instead of config.pbtxt (--model-config-name), and stop() removes them. None: the
     # configs as they are.
     instance_counts: dict[str, int] | None = None
+    # Request tracing (trace_flags): an OpenTelemetry collector's URL (http://host:4318/v1/traces), or a file for
+    # Triton's own JSON traces; every `trace_rate`-th request. None: off.
+    trace: str | None = None
+    trace_rate: int = 1
 
     @property
     def config_name(self) -> str:
@@ -139,6 +143,10 @@ class ServerSettings:
     def admin_headers(self) -> dict[str, str]:
         """gRPC headers that open the admin APIs."""
         return {ADMIN_KEY_HEADER: self.admin_key}
+
+
+GRPC_MAX_CONNECTION_AGE_MS = 300_000
+GRPC_MAX_CONNECTION_AGE_GRACE_MS = 60_000
 
 
 def server_flags(settings: ServerSettings) -> list[str]:
@@ -162,6 +170,14 @@ def server_flags(settings: ServerSettings) -> list[str]:
         "--disable-auto-complete-config",
         f"--exit-timeout-secs={settings.exit_timeout_s}",
         f"--log-verbose={settings.log_verbose}",
+        # Latency percentiles per model (nv_inference_request_summary_us{quantile=...}), beside the counters.
+        "--metrics-config=summary_latencies=true",
+        # A gRPC client keeps one HTTP/2 connection: aged out after 5 minutes (a minute's grace for the requests on
+        # it), clients reconnect and spread over the pods a scale-up added. Keepalive pings find dead clients.
+        f"--grpc-max-connection-age={GRPC_MAX_CONNECTION_AGE_MS}",
+        f"--grpc-max-connection-age-grace={GRPC_MAX_CONNECTION_AGE_GRACE_MS}",
+        "--grpc-keepalive-time=60000",
+        "--grpc-keepalive-timeout=20000",
         # Each Python-backend stub talks to the server through a /dev/shm region that starts at this size
         # (shm.dev_shm_bytes() says how far the regions grow).
         f"--backend-config=python,shm-default-byte-size={settings.shm_default_bytes}",
@@ -170,10 +186,28 @@ def server_flags(settings: ServerSettings) -> list[str]:
         f"--grpc-restricted-protocol={RESTRICTED_APIS}:admin-key={settings.admin_key}",
         f"--http-restricted-api={RESTRICTED_APIS}:admin-key={settings.admin_key}",
     ]
+    flags += trace_flags(settings.trace, settings.trace_rate)
     # Sized from the repository's configs (cuda_pool_bytes): every GPU tensor in flight between processes.
     pools = {gpu: cuda_pool_bytes(settings.model_repository, gpu, settings.instance_counts) for gpu in settings.gpus}
     flags += [f"--cuda-memory-pool-byte-size={gpu}:{size}" for gpu, size in pools.items()]
     return flags
+
+
+def trace_flags(trace: str | None, rate: int = 1) -> list[str]:
+    """Tracing of every `rate`-th request, the BLS calls of a pipeline request its children (python_backend.py):
+    to an OpenTelemetry collector (`trace`: its http:// URL), or as Triton's JSON to a file (written as the server
+    stops); none when `trace` is None."""
+    if not trace:
+        return []
+    if trace.startswith(("http://", "https://")):
+        where = [
+            "--trace-config=mode=opentelemetry",
+            f"--trace-config=opentelemetry,url={trace}",
+            "--trace-config=opentelemetry,resource=service.name={{ cookiecutter.project_slug }}",
+        ]
+    else:
+        where = ["--trace-config=mode=triton", f"--trace-config=triton,file={Path(trace).resolve()}"]
+    return [*where, "--trace-config=level=TIMESTAMPS", f"--trace-config=rate={rate}"]
 
 
 def triton_home() -> Path | None:

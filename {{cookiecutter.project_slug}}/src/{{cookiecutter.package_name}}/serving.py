@@ -59,6 +59,7 @@ def serve(args) -> int:
     settings = ServerSettings(
         args.model_repository, args.http_port, args.grpc_port, args.metrics_port, address=address, mps=args.mps
     )
+    settings.trace, settings.trace_rate = args.trace or os.environ.get("TRITON_TRACE"), args.trace_rate
     starting = not (args.print_flags or args.print_shm)
     if starting and (taken := taken_ports(settings)):
         print(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import math
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,6 +27,45 @@ MAX_ASPECT_RATIO = 32
 
 class InvalidImage(ValueError):
     """The bytes are not an image the pipeline accepts: the client's fault, never the server's."""
+
+
+class RequestTooLarge(InvalidImage):
+    """A request over one of the preprocess model's caps (RequestLimits): refused before any pixel is decoded."""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of the preprocess stage: bytes per image, bytes per request and decoded pixels per
+    request, from the preprocess model's config (max_image_bytes, max_request_bytes, max_request_pixels). Far above
+    what a camera sends (a 40 MP JPEG is about 20 MB), they bound the work and the shared memory one request takes:
+    a request of 128 compressible 40 MP PNGs is 15 MB on the wire and 5 G pixels to decode."""
+
+    image_bytes: int = 64 << 20
+    request_bytes: int = 256 << 20
+    request_pixels: int = 1_000_000_000
+
+    @classmethod
+    def from_parameters(cls, parameters: dict[str, str]) -> RequestLimits:
+        return cls(
+            int(parameters["max_image_bytes"]),
+            int(parameters["max_request_bytes"]),
+            int(parameters["max_request_pixels"]),
+        )
+
+    def check_bytes(self, sizes: Iterable[int]) -> None:
+        """Raise RequestTooLarge, naming the cap, for an image or a request of more bytes than its cap."""
+        total = 0
+        for size in sizes:
+            if size > self.image_bytes:
+                raise RequestTooLarge(f"image of {size} bytes: over max_image_bytes ({self.image_bytes})")
+            total += size
+        if total > self.request_bytes:
+            raise RequestTooLarge(f"request of {total} bytes: over max_request_bytes ({self.request_bytes})")
+
+    def check_pixels(self, pixels: int) -> None:
+        """Raise RequestTooLarge for a request whose images hold more pixels, by their headers, than its cap."""
+        if pixels > self.request_pixels:
+            raise RequestTooLarge(f"request of {pixels} pixels: over max_request_pixels ({self.request_pixels})")
 
 
 JPEG_START_OF_SCAN, JPEG_END_OF_IMAGE = b"\xff\xda", b"\xff\xd9"
@@ -105,12 +146,14 @@ class Preprocess:
         crop=224,
         max_pixels=40_000_000,
         decode_budget_pixels=DECODE_BUDGET_PIXELS,
+        limits: RequestLimits = RequestLimits(),
     ):
         self.device = torch.device(device)
         self.on_gpu = self.device.type == "cuda"
         self.dtype = dtype
         self.resize, self.crop = resize, crop
         self.max_pixels = max_pixels
+        self.limits = limits
         # At most this many decoded pixels are held at once on the device (a batch of 128 full-size 40 MP images
         # would be 15 GB); an image larger than that is decoded and resized on the host (`_on_host`).
         self.decode_budget_pixels = decode_budget_pixels
@@ -130,6 +173,7 @@ class Preprocess:
             resize=int(parameters["resize"]),
             crop=int(parameters["crop"]),
             max_pixels=int(parameters["max_image_pixels"]),
+            limits=RequestLimits.from_parameters(parameters),
         )
 
     def peak_gpu_bytes(self, max_batch_size: int) -> int:
@@ -239,6 +283,7 @@ class Preprocess:
         The images of all groups become one batch, and each group's pixels are a view into it (no copy). A bad
         image fails its own group only. Decoded images are held at most `decode_budget_pixels` at a time on a
         GPU, and one at a time on the CPU; an image over that budget is decoded and resized on the host (`_on_host`).
+        A group over a cap of `limits` fails before any of its images is decoded.
         """
         errors: dict[int, InvalidImage] = {}
         items: list[_Image] = []
@@ -246,7 +291,10 @@ class Preprocess:
         for g, group in enumerate(groups):
             starts.append(len(items))
             try:
-                items += [_Image(g, data, *inspect_image(data, self.max_pixels)) for data in group]
+                self.limits.check_bytes(len(data) for data in group)
+                inspected = [_Image(g, data, *inspect_image(data, self.max_pixels)) for data in group]
+                self.limits.check_pixels(sum(item.width * item.height for item in inspected))
+                items += inspected
             except InvalidImage as exc:
                 errors[g] = exc
         resized = torch.empty(

@@ -18,9 +18,11 @@ from {{ cookiecutter.package_name }}.model_repository import OUTPUTS
 from {{ cookiecutter.package_name }}.python_backend import (
     Instance,
     batch_then_alone,
+    bytes_of,
     exit_stub,
     fused_postprocess,
     fused_preprocess,
+    request_limits,
     split_responses,
     to_triton,
 )
@@ -30,6 +32,7 @@ class TritonPythonModel:
     def initialize(self, args):
         self.instance = Instance(args)
         self.timeout_us = int(self.instance.parameters["bls_timeout_us"])
+        self.limits = request_limits(args)  # preprocess's caps on a request's bytes, checked before calling it
         if self.instance.parameters["preprocess"] == "in_process":  # fused: the same stage, without its BLS call
             self.preprocess = fused_preprocess(self.instance, args)
         if self.instance.parameters["postprocess"] == "in_process":
@@ -40,7 +43,8 @@ class TritonPythonModel:
 
     def classify(self, requests):
         images = [pb_utils.get_input_tensor_by_name(request, "IMAGE") for request in requests]
-        pixels = batch_then_alone(self.preprocess, images)  # one call; a bad image fails its own request
+        # one call; a bad image, or a request over a cap, fails its own request
+        pixels = batch_then_alone(self.preprocess, images, check=lambda i: self.limits.check_bytes(bytes_of(i)))
         logits = pixels.then(self.resnet)  # once for every request still served
         results = logits.then(self.postprocess)
         return split_responses(results.data, results.sizes)

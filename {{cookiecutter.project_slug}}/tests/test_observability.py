@@ -1,0 +1,39 @@
+"""What an operator reads, from a real tritonserver: latency percentiles in the metrics, and request traces in
+which a pipeline request's three BLS calls are its children."""
+
+import json
+import re
+import urllib.request
+
+from conftest import image_input, infer, local_server_only, make_image
+
+from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
+
+STAGES = ("preprocess", "resnet", "postprocess")
+
+
+@local_server_only
+def test_the_metrics_hold_each_models_latency_percentiles(server):
+    infer(server.grpc_url, [image_input([make_image(0)])])
+    url = f"http://localhost:{server.settings.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=30).read().decode()
+    summaries = re.findall(r"^nv_inference_request_summary_us\{([^}]*)\} \d", text, re.M)
+    for model in ("pipeline", *STAGES):
+        for quantile in ("0.5", "0.9", "0.99"):
+            labels = (f'model="{model}"', f'quantile="{quantile}"')
+            assert any(all(label in found for label in labels) for found in summaries), f"no p{quantile} of {model}"
+
+
+@local_server_only
+def test_a_traced_pipeline_request_has_its_three_stage_calls_as_children(model_repository, tmp_path):
+    """serve --trace FILE: Triton's own JSON traces, written as the server stops."""
+    trace = tmp_path / "trace.json"
+    settings = ServerSettings.on_free_ports(model_repository, trace=str(trace))
+    with open(tmp_path / "tritonserver.log", "w") as log, TritonServer(settings, container=False, log=log) as triton:
+        triton.wait_ready(600)
+        infer(triton.grpc_url, [image_input([make_image(0), make_image(1)])])
+    records = json.loads(trace.read_text())
+    models = {r["id"]: r for r in records if "model_name" in r}
+    (pipeline,) = [r for r in models.values() if r["model_name"] == "pipeline"]
+    children = sorted(r["model_name"] for r in models.values() if r.get("parent_id") == pipeline["id"])
+    assert children == sorted(STAGES), records
