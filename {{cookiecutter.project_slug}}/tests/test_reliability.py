@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import tritonclient.grpc as grpcclient
 from conftest import image_input, infer, local_server_only, make_image, png_header
 from PIL import Image
@@ -280,10 +281,10 @@ def test_overload_is_rejected_fast_instead_of_queued_forever(own_server, max_bat
     """A burst larger than the pipeline's instances and its queue of 2: the rest is rejected at once. The burst is
     three times what the pipeline can hold, and on a GPU each request carries 16 images: an H200 at the shipped
     counts (16 pipeline instances) served 23 of a burst of 24 requests of 4 images as they came (dc19052), and then
-    all 24 (5d413e1)."""
+    all 24 (5d413e1). Meanwhile a readiness probe, at the pipeline's higher priority, is answered."""
     holds = configured_counts(own_server)["pipeline"] + 2
     burst, images = max(24, 3 * holds), min(16 if own_server.settings.gpus else 4, max_batch)
-    image, gate = make_image(5, size=(640, 480)), threading.Barrier(burst)
+    image, gate = make_image(5, size=(640, 480)), threading.Barrier(burst + 1)  # and the probe
 
     def send(_):
         gate.wait()
@@ -294,8 +295,16 @@ def test_overload_is_rejected_fast_instead_of_queued_forever(own_server, max_bat
         except InferenceServerException as exc:
             return exc.message(), time.monotonic() - started
 
-    with pipeline_queue_policy(own_server, max_queue_size="2"), ThreadPoolExecutor(burst) as pool:
+    def probe_during_the_burst():
+        gate.wait()
+        time.sleep(0.05)  # the queue has filled
+        return probe(own_server.grpc_url)
+
+    with pipeline_queue_policy(own_server, max_queue_size="2"), ThreadPoolExecutor(burst + 1) as pool:
+        probed = pool.submit(probe_during_the_burst)
         outcomes = list(pool.map(send, range(burst)))
+        probe_error = probed.result()
+    assert probe_error is None, f"the readiness probe goes ahead of the full queue (its priority): {probe_error}"
     rejected = [t for outcome, t in outcomes if "Exceeds maximum queue size" in outcome]
     served = [t for outcome, t in outcomes if outcome == "ok"]
     assert len(served) + len(rejected) == burst, outcomes
@@ -345,21 +354,25 @@ def test_a_stage_rejecting_for_overload_reaches_the_pipelines_client_as_unavaila
     ), rejected
 
 
-def test_a_requests_deadline_reaches_the_stage_it_waits_at(server, model_repository):
+def test_a_requests_deadline_reaches_the_stage_it_waits_at(server, model_repository, max_batch):
     """A request's timeout (the client's `timeout`, microseconds) goes with each BLS call the pipeline makes for it:
     queued behind a backlog at resnet, it is answered UNAVAILABLE once its deadline has passed, naming the stage,
     instead of waiting out the pipeline's 30 s bls_timeout_us and being served to a client that has gone."""
     datatype = model_config_pb2.DataType.Name(load_config(model_repository / "resnet").input[0].data_type)
     if datatype == "TYPE_BF16":
         pytest.skip("BF16 pixels have no numpy type to send them from")
-    pixels = np.zeros((8, 3, 224, 224), dtype=numpy_dtype(datatype))
+    batch = max_batch if torch.cuda.is_available() else min(max_batch, 8)  # a CPU takes about 0.5 s for 8
+    pixels = np.zeros((batch, 3, 224, 224), dtype=numpy_dtype(datatype))
     tensor = grpcclient.InferInput("PIXELS", list(pixels.shape), datatype.removeprefix("TYPE_"))
     tensor.set_data_from_numpy(pixels)
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         started = time.monotonic()
         client.infer("resnet", [tensor], client_timeout=120)
         each = time.monotonic() - started
-    backlog = int(6 / each) + 2  # about 6 s of resnet work, under its queue's 10 s timeout
+    # up to 4 s of resnet work (its queue's timeout is 10 s), and 4 times the pipeline request's timeout
+    queue = load_config(model_repository / "resnet").dynamic_batching.default_queue_policy.max_queue_size
+    backlog = min(int(4 / each) + 2, 32, queue - 1)
+    timeout_s = min(max(backlog * each / 4, 0.1), 1.0)
 
     def direct(_):
         with contextlib.suppress(InferenceServerException), grpcclient.InferenceServerClient(server.grpc_url) as c:
@@ -367,13 +380,13 @@ def test_a_requests_deadline_reaches_the_stage_it_waits_at(server, model_reposit
 
     with ThreadPoolExecutor(backlog) as pool:
         busy = [pool.submit(direct, i) for i in range(backlog)]
-        time.sleep(min(1.0, each))  # the backlog is queued at resnet
+        time.sleep(min(0.5, backlog * each / 8))  # the backlog is queued at resnet
         with pytest.raises(InferenceServerException) as info, grpcclient.InferenceServerClient(server.grpc_url) as c:
-            c.infer("pipeline", [image_input([make_image(0)])], timeout=int(min(1.0, each) * 1e6), client_timeout=120)
+            c.infer("pipeline", [image_input([make_image(0)])], timeout=int(timeout_s * 1e6), client_timeout=120)
         for future in busy:
             future.result()
     message = info.value.message()
-    print(f"\nresnet backlog of {backlog} x {each:.2f} s: {message}")
+    print(f"\nresnet backlog of {backlog} x {each:.2f} s, a request with {timeout_s:.2f} s: {message}")
     assert info.value.status() == "StatusCode.UNAVAILABLE", message
     assert message.startswith("resnet: ") and "timeout" in message.lower(), message
 

@@ -73,13 +73,18 @@ def reload(args) -> int:
 
 
 def health(args) -> int:
-    """Exit 0 only if the server is ready and the pipeline answers a real request (a dead stub fails it)."""
+    """Exit 0 only if the server is ready and the pipeline answers a real request (a dead stub fails it), or refuses
+    it for overload: busy is not broken, and a readiness probe that failed then would take every pod out at once."""
     from . import sizing
-    from .health import probe
+    from .health import busy, probe
     from .restarts import summary
 
     error = probe(args.url, args.model, timeout_s=args.timeout)
-    print(f"unhealthy: {error}" if error else "healthy")
+    if error and busy(error):
+        print(f"healthy, busy: {error}")
+        error = None
+    else:
+        print(f"unhealthy: {error}" if error else "healthy")
     port = args.url.rsplit(":", 1)[-1]
     if port.isdigit() and (counts := sizing.summary(int(port))):  # a `serve` of this host serves that port
         print(counts)

@@ -33,6 +33,7 @@ from PIL import Image
 
 from . import stub_deaths
 from .model_repository import BLS_CALLS, bls_callers
+from .rules import OVERLOAD_MESSAGES
 from .shm import remove_stale_regions
 
 DEAD_STUB = re.compile(r"Stub process '(?P<model>.+?)_\d+_\d+' is not healthy")
@@ -95,16 +96,28 @@ def probe_image() -> bytes:
     return buffer.getvalue()
 
 
+# The pipeline's priority level for probes (its config's priority_queue_policy): served before the requests queued
+# at the default level, from a queue of their own, so that real traffic filling its queue never starves a probe.
+PROBE_PRIORITY = 1
+
+
 def probe(url: str, model: str = "pipeline", timeout_s: float = 30) -> str | None:
-    """None if `model` answers one small image, else why not."""
+    """None if `model` answers one small image, else why not. The probe goes ahead of queued requests
+    (PROBE_PRIORITY; a model without priority levels takes it at its default)."""
     image = grpcclient.InferInput("IMAGE", [1, 1], "BYTES")
     image.set_data_from_numpy(np.array([[probe_image()]], dtype=object))
     try:
         with grpcclient.InferenceServerClient(url) as client:
-            client.infer(model, [image], client_timeout=timeout_s)
+            client.infer(model, [image], client_timeout=timeout_s, priority=PROBE_PRIORITY)
     except Exception as exc:
         return str(exc)
     return None
+
+
+def busy(error: str) -> bool:
+    """Whether a probe's error says the server is busy (a queue refused it, or it waited past its timeout), which a
+    readiness check must not take for broken: every pod of an overloaded Service would leave it at once."""
+    return any(text in error for text in OVERLOAD_MESSAGES)
 
 
 def restart(client: grpcclient.InferenceServerClient, model: str, admin_headers: dict[str, str]) -> None:

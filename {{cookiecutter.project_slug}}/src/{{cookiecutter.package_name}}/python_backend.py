@@ -29,6 +29,7 @@ from torch.utils.dlpack import from_dlpack
 
 from . import stub_deaths
 from .model_repository import parameters, pixels_dtype, torch_dtype, undeclared_call
+from .rules import OVERLOAD_MESSAGES
 from .shm import DEV_SHM_ADVICE, SHM_GROWTH_FAILED
 from .stages import InvalidImage, Postprocess, Preprocess, RequestLimits, read_labels
 
@@ -38,7 +39,7 @@ INVALID_INPUT = "invalid input: "
 # ... and these, Triton's own words for a stage that is overloaded, past its queue timeout or whose stub died, get
 # back the UNAVAILABLE that Triton's core gave them (the ensemble's answer for the same event): a client, gRPC retry
 # policy or load balancer retries UNAVAILABLE, not INTERNAL.
-UNAVAILABLE_MESSAGES = ("Exceeds maximum queue size", "Request timeout expired", "Stub process", "is not healthy")
+UNAVAILABLE_MESSAGES = (*OVERLOAD_MESSAGES, "Stub process", "is not healthy")
 
 
 def restored_code(message: str, code: int) -> int:

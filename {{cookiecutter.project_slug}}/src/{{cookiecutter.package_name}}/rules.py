@@ -2,7 +2,8 @@
 
 - `cuda_pool_bytes`: the CUDA memory pool a GPU needs (`--cuda-memory-pool-byte-size`);
 - `reload_sets`, `reload_headroom`: the reloads that start new stubs beside the running ones, and the largest;
-- `mps_clients`: the MPS clients a GPU's stubs and that reload make.
+- `mps_clients`: the MPS clients a GPU's stubs and that reload make;
+- `OVERLOAD_MESSAGES`: Triton's words for a request its queues refused (UNAVAILABLE: busy, not broken).
 
 Sizing (sizing.py), /dev/shm (shm.py), MPS (mps.py) and the server's flags (server.py) use them; they use only the
 configs (model_repository.py).
@@ -16,6 +17,9 @@ from pathlib import Path
 from .model_repository import BLS_CALLS, bytes_per_element, instances_on_gpu, load_configs, tensor_datatype
 
 MiB = 1 << 20
+
+# A request refused by a full queue, or one that waited longer than its timeout: the server is busy, not broken.
+OVERLOAD_MESSAGES = ("Exceeds maximum queue size", "Request timeout expired")
 
 
 def cuda_pool_bytes(repository: Path | str, gpu: int = 0, counts: dict[str, int] | None = None) -> int:
