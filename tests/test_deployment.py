@@ -14,6 +14,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -297,12 +298,12 @@ def test_a_server_or_stub_missing_a_library_fails_at_once(project, tmp_path):
     path, answers = project
     script = f"""
 import os
-import {answers["package_name"]}.server as server
-binary, backends = server.local_tritonserver()
+import {answers["package_name"]}.runtime as runtime
+binary, backends = runtime.local_tritonserver()
 stub = backends / "python" / "triton_python_backend_stub"
 bare = {{k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}}
-print(server.missing_libraries(binary, stub, env=server.local_environment()))
-print(" ".join(server.missing_libraries(stub, env=bare)))
+print(runtime.missing_libraries(binary, stub, env=runtime.local_environment()))
+print(" ".join(runtime.missing_libraries(stub, env=bare)))
 """
     env = {**os.environ, "PYTHONPATH": str(path / "src"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
     cmd = [sys.executable, "-c", script]
@@ -627,6 +628,10 @@ def test_k8s_deployment_runs_the_compose_image_and_command(project, k8s):
     assert container["args"] == triton["command"] and "command" not in container
     images = yaml.safe_load((path / "deploy/kubernetes/base/kustomization.yaml").read_text())["images"]
     assert images == [{"name": triton["image"].split(":")[0], "newTag": triton["image"].split(":")[1]}]
+    # one tag, the project's version, never :latest (which IfNotPresent would never pull again)
+    version = tomllib.loads((path / "pyproject.toml").read_text())["project"]["version"]
+    tests = compose(path, env={})["services"]["tests"]
+    assert triton["image"].split(":")[1] == tests["image"].split(":")[1] == version != "latest"
 
 
 def test_k8s_ports_and_services_match_the_served_ports(project, k8s, tmp_path):

@@ -88,6 +88,7 @@ src/image_classifier/client.py
 src/image_classifier/compiled.py
 src/image_classifier/console.py
 src/image_classifier/health.py
+src/image_classifier/images.py
 src/image_classifier/machine.py
 src/image_classifier/model_repository.py
 src/image_classifier/paths.py
@@ -95,9 +96,11 @@ src/image_classifier/mps.py
 src/image_classifier/python_backend.py
 src/image_classifier/restarts.py
 src/image_classifier/rules.py
+src/image_classifier/runtime.py
 src/image_classifier/server.py
 src/image_classifier/serving.py
 src/image_classifier/shm.py
+src/image_classifier/sized.py
 src/image_classifier/sizing.py
 src/image_classifier/stages.py
 src/image_classifier/stub_deaths.py

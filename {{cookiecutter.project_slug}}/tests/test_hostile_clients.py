@@ -17,8 +17,8 @@ from PIL import Image
 from test_reliability import start_server
 from tritonclient.utils import InferenceServerException
 
+from {{ cookiecutter.package_name }}.images import RequestLimits
 from {{ cookiecutter.package_name }}.model_repository import load_config, parameters
-from {{ cookiecutter.package_name }}.stages import RequestLimits
 
 MiB = 1 << 20
 pytestmark = local_server_only

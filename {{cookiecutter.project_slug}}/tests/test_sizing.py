@@ -13,7 +13,7 @@ import pytest
 from conftest import PROJECT
 from tritonclient.grpc import model_config_pb2
 
-from {{ cookiecutter.package_name }} import sizing
+from {{ cookiecutter.package_name }} import sized, sizing
 from {{ cookiecutter.package_name }}.model_repository import (
     BLS_CALLS,
     load_config,
@@ -178,7 +178,7 @@ def test_instances_read_from_the_flag_or_the_environment():
 
 def test_the_sized_configs_are_the_users_configs_with_the_count_and_follow_their_edits(repository):
     before = {p: p.read_bytes() for p in repository.glob("*/config.pbtxt")}
-    written = sizing.write_configs(repository, {"pipeline": 3, "preprocess": 2}, "sized-1")
+    written = sized.write_configs(repository, {"pipeline": 3, "preprocess": 2}, "sized-1")
     assert sorted(p.relative_to(repository).as_posix() for p in written) == [
         "pipeline/configs/sized-1.pbtxt",
         "preprocess/configs/sized-1.pbtxt",
@@ -188,9 +188,9 @@ def test_the_sized_configs_are_the_users_configs_with_the_count_and_follow_their
     assert "count: 3" in pipeline.read_text() and 'string_value: "30000000"' in pipeline.read_text()
     edited = before[repository / "pipeline" / "config.pbtxt"].decode().replace('"30000000"', '"20000000"')
     (repository / "pipeline" / "config.pbtxt").write_text(edited)
-    assert sizing.sync_configs(repository, "sized-1") == ["pipeline"]
+    assert sized.sync_configs(repository, "sized-1") == ["pipeline"]
     assert "count: 3" in pipeline.read_text() and 'string_value: "20000000"' in pipeline.read_text()
-    sizing.remove_configs(repository, "sized-1")
+    sized.remove_configs(repository, "sized-1")
     assert not list(repository.glob("*/configs"))
 
 

@@ -10,20 +10,17 @@ from conftest import make_image, png_header
 from PIL import Image
 from torchvision.transforms import v2
 
+from {{ cookiecutter.package_name }}.images import InvalidImage, RequestLimits, RequestTooLarge, inspect_image
 from {{ cookiecutter.package_name }}.model_repository import load_config, parameters, resnet_weights, top_k
 from {{ cookiecutter.package_name }}.stages import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     RESIZE_PART_PIXELS,
     Classifier,
-    InvalidImage,
     Postprocess,
     Preprocess,
-    RequestLimits,
-    RequestTooLarge,
     _Image,
     imagenet_labels,
-    inspect_image,
     resize_in_strips,
 )
 from {{ cookiecutter.package_name }}.weights import write_random

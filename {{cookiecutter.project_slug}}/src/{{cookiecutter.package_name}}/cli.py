@@ -52,7 +52,7 @@ def reload(args) -> int:
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    from . import admin_key, sizing
+    from . import admin_key, sized
     from .admin_key import ADMIN_KEY_HEADER
 
     key, _ = admin_key.find()
@@ -60,7 +60,7 @@ def reload(args) -> int:
         return fail(f"reload uses the server's admin APIs: set {admin_key.ENV}, or run it where `serve` keeps the key")
     port = args.url.rsplit(":", 1)[-1]
     if port.isdigit():
-        sizing.sync_configs(args.model_repository, sizing.config_name(int(port)))
+        sized.sync_configs(args.model_repository, sized.config_name(int(port)))
     try:
         with grpcclient.InferenceServerClient(args.url) as client:
             client.load_model(args.model, headers={ADMIN_KEY_HEADER: key})
@@ -75,7 +75,7 @@ def reload(args) -> int:
 def health(args) -> int:
     """Exit 0 only if the server is ready and the pipeline answers a real request (a dead stub fails it), or refuses
     it for overload: busy is not broken, and a readiness probe that failed then would take every pod out at once."""
-    from . import sizing
+    from . import sized
     from .health import busy, probe
     from .restarts import summary
 
@@ -86,7 +86,7 @@ def health(args) -> int:
     else:
         print(f"unhealthy: {error}" if error else "healthy")
     port = args.url.rsplit(":", 1)[-1]
-    if port.isdigit() and (counts := sizing.summary(int(port))):  # a `serve` of this host serves that port
+    if port.isdigit() and (counts := sized.summary(int(port))):  # a `serve` of this host serves that port
         print(counts)
     if port.isdigit() and (restarts := summary(int(port))):
         print(restarts)
@@ -101,7 +101,7 @@ def classify(args) -> int:
     from tritonclient.utils import InferenceServerException
 
     from . import admin_key
-    from .client import AdminKeyError, ImageClassifier
+    from .client import AdminKeyError, ImageClassifier, classify_each
 
     images, outcome = {}, {}  # path -> bytes; path -> [Prediction, ...] or the reason it failed
     for path in args.images:
@@ -168,39 +168,6 @@ def unreachable(url: str, exc) -> str:
     return f"no server answers at {url} ({reason}): start one with `{{ cookiecutter.project_slug }} serve`, or pass --url"
 
 
-def classify_each(client, images: dict[str, bytes], parameters: dict | None, on_gpu: bool) -> dict:
-    """{path: predictions, or why it failed}. Batches of up to the model's max batch size; a batch that fails is
-    sent again image by image, so one bad image fails alone."""
-    from tritonclient.utils import InferenceServerException
-
-    def one(data: list[bytes]):
-        if on_gpu:
-            return client.classify_pixels(decode_on_gpu(client, data))
-        return client.classify(data, parameters)
-
-    def reason(exc: Exception) -> str:
-        text = exc.message() if isinstance(exc, InferenceServerException) else str(exc)
-        return (text or type(exc).__name__).strip()
-
-    paths, results = list(images), {}
-    size = max(1, client.config(client.model).max_batch_size) if not on_gpu else 1
-    for start in range(0, len(paths), size):
-        chunk = paths[start : start + size]
-        try:
-            results.update(zip(chunk, one([images[p] for p in chunk])))
-            continue
-        except (InferenceServerException, ValueError) as exc:
-            if len(chunk) == 1:
-                results[chunk[0]] = reason(exc)
-                continue
-        for path in chunk:
-            try:
-                results[path] = one([images[path]])[0]
-            except (InferenceServerException, ValueError) as exc:
-                results[path] = reason(exc)
-    return results
-
-
 HEADER = ("score", "class id", "label")
 
 
@@ -233,25 +200,6 @@ def key_value(text: str) -> tuple[str, str]:
     if not key or not sep:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
     return key, value
-
-
-def decode_on_gpu(client, images: list[bytes]):
-    """Pixels on this machine's GPU, preprocessed as the server's `preprocess` model would (its parameters and
-    pixel type): what a client that decodes its own frames hands to `classify_pixels` over CUDA shared memory."""
-    import torch
-
-    from .model_repository import PIXELS_MODEL, torch_dtype
-    from .stages import Preprocess
-
-    if not torch.cuda.is_available():
-        raise SystemExit("--shared-memory cuda needs a CUDA GPU on this machine (the pixels are decoded on it)")
-    params = {k: v.string_value for k, v in client.config("preprocess").parameters.items()}
-    dtype = torch_dtype(client.input_datatype(PIXELS_MODEL, "PIXELS"))
-    preprocess = Preprocess.from_parameters(torch.device("cuda", 0), dtype, params)
-    (pixels,) = preprocess.batch([images])
-    if isinstance(pixels, Exception):
-        raise ValueError(f"cannot decode: {pixels}")
-    return pixels
 
 
 def compile_resnet(args) -> int:

@@ -353,3 +353,54 @@ def _host_pixels(pixels, datatype: str) -> np.ndarray:
 
 def _text(label) -> str:
     return label.decode() if isinstance(label, bytes) else str(label)
+
+
+def classify_each(client: ImageClassifier, images: dict[str, bytes], parameters: dict | None, on_gpu: bool) -> dict:
+    """{name: predictions, or why it failed}, for `classify` of the CLI. Batches of up to the model's max batch size;
+    a batch that fails is sent again image by image, so one bad image fails alone. `on_gpu`: decoded here, on this
+    machine's GPU (decode_on_gpu), and sent as pixels to `classify_pixels` over CUDA shared memory."""
+
+    def one(data: list[bytes]):
+        if on_gpu:
+            return client.classify_pixels(decode_on_gpu(client, data))
+        return client.classify(data, parameters)
+
+    def reason(exc: Exception) -> str:
+        text = exc.message() if isinstance(exc, InferenceServerException) else str(exc)
+        return (text or type(exc).__name__).strip()
+
+    paths, results = list(images), {}
+    size = max(1, client.config(client.model).max_batch_size) if not on_gpu else 1
+    for start in range(0, len(paths), size):
+        chunk = paths[start : start + size]
+        try:
+            results.update(zip(chunk, one([images[p] for p in chunk])))
+            continue
+        except (InferenceServerException, ValueError) as exc:
+            if len(chunk) == 1:
+                results[chunk[0]] = reason(exc)
+                continue
+        for path in chunk:
+            try:
+                results[path] = one([images[path]])[0]
+            except (InferenceServerException, ValueError) as exc:
+                results[path] = reason(exc)
+    return results
+
+
+def decode_on_gpu(client, images: list[bytes]):
+    """Pixels on this machine's GPU, preprocessed as the server's `preprocess` model would (its parameters and
+    pixel type): what a client that decodes its own frames hands to `classify_pixels` over CUDA shared memory."""
+    import torch
+
+    from .stages import Preprocess
+
+    if not torch.cuda.is_available():
+        raise ValueError("--shared-memory cuda needs a CUDA GPU on this machine (the pixels are decoded on it)")
+    params = {k: v.string_value for k, v in client.config("preprocess").parameters.items()}
+    dtype = torch_dtype(client.input_datatype(PIXELS_MODEL, "PIXELS"))
+    preprocess = Preprocess.from_parameters(torch.device("cuda", 0), dtype, params)
+    (pixels,) = preprocess.batch([images])
+    if isinstance(pixels, Exception):
+        raise ValueError(f"cannot decode: {pixels}")
+    return pixels

@@ -1,5 +1,6 @@
 """Facts about this machine, read without changing anything: its GPUs (without initializing CUDA), its processes,
-and the MPS limit of a GPU. The bottom layer, with paths.py: every other module may use it, it uses none of them.
+its TCP ports (free ones, and who holds one), and the MPS limit of a GPU. The bottom layer, with paths.py: every
+other module may use it, it uses none of them.
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,3 +80,44 @@ def alive(pid: int, start: str | None = None) -> bool:
     """Is `pid` running (and, with `start`, still the same process)?"""
     stat = _stat(pid)
     return stat is not None and (start is None or stat[2] == start)
+
+
+_HANDED_OUT: set[int] = set()  # the ports free_port gave this process
+
+
+def free_port() -> int:
+    """A loopback port free now, and never one this process was given before: the kernel may hand a port just
+    closed out again, and three calls in a row once gave a server the same HTTP and metrics port (it refused to
+    start)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+
+
+def port_holder(port: int) -> str | None:
+    """Which process listens on TCP `port` of this host ("pid 123: tritonserver --model-repository=..."), where
+    /proc says (None where it cannot: another user's process, another network namespace)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                inodes.add(fields[9])
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            for fd in fd_dir.iterdir():
+                if os.readlink(fd).removeprefix("socket:[").removesuffix("]") in inodes:
+                    argv = (fd_dir.parent / "cmdline").read_bytes().split(b"\0")
+                    command = " ".join(" ".join(a.decode(errors="replace").split()) for a in argv if a)[:120]
+                    return f"pid {fd_dir.parent.name}: {command}"
+        except OSError:
+            continue
+    return None

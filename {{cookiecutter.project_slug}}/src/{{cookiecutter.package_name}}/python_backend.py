@@ -28,10 +28,11 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack
 
 from . import stub_deaths
+from .images import InvalidImage, RequestLimits
 from .model_repository import parameters, pixels_dtype, torch_dtype, undeclared_call
 from .rules import OVERLOAD_MESSAGES
 from .shm import DEV_SHM_ADVICE, SHM_GROWTH_FAILED
-from .stages import InvalidImage, Postprocess, Preprocess, RequestLimits, read_labels
+from .stages import Postprocess, Preprocess, read_labels
 
 # Triton 2.51 drops the error code of a BLS response (has_error() answers INTERNAL for everything), so an
 # input error raised by one stage carries this prefix to keep INVALID_ARG on its way back to the client.
@@ -303,7 +304,7 @@ def fused_preprocess(instance: Instance, args: dict):
 
 
 def request_limits(args: dict) -> RequestLimits:
-    """The preprocess model's caps on one request (stages.RequestLimits), for a BLS model that hands it encoded
+    """The preprocess model's caps on one request (images.RequestLimits), for a BLS model that hands it encoded
     images: checked before the call, a request over a cap never reaches preprocess's stub."""
     return RequestLimits.from_parameters(parameters(Path(args["model_repository"]).parent / "preprocess"))
 

@@ -8,74 +8,29 @@ All get their flags from `server_flags()`, so what the tests exercise is what `d
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
-import importlib.util
 import os
 import re
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
-import sys
-import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import mps
 from .admin_key import ADMIN_KEY_HEADER
-from .machine import terminate_with_parent, visible_gpus
+from .machine import free_port, port_holder, terminate_with_parent, visible_gpus
 from .model_repository import ENTRY_MODELS
-from .paths import cache_dir, is_own_file
+from .paths import is_own_file
 from .rules import MiB, cuda_pool_bytes
+from .runtime import local_environment, local_tritonserver
 from .shm import remove_stale_regions
 
 CONTAINER_TRITONSERVER = Path("/opt/tritonserver")  # the NGC image's server
 # Admin APIs that need the key; health, metadata and inference stay open. Clients send it as the header
 # `admin-key` over HTTP and `triton-grpc-protocol-admin-key` (ADMIN_KEY_HEADER) over gRPC.
 RESTRICTED_APIS = "model-repository,shared-memory,statistics,trace,logging"
-
-
-_HANDED_OUT: set[int] = set()  # the ports free_port gave this process
-
-
-def free_port() -> int:
-    """A loopback port free now, and never one this process was given before: the kernel may hand a port just
-    closed out again, and three calls in a row once gave a server the same HTTP and metrics port (it refused to
-    start)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-
-
-def port_holder(port: int) -> str | None:
-    """Which process listens on TCP `port` of this host ("pid 123: tritonserver --model-repository=..."), where
-    /proc says (None where it cannot: another user's process, another network namespace)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
-                inodes.add(fields[9])
-    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
-        try:
-            for fd in fd_dir.iterdir():
-                if os.readlink(fd).removeprefix("socket:[").removesuffix("]") in inodes:
-                    argv = (fd_dir.parent / "cmdline").read_bytes().split(b"\0")
-                    command = " ".join(" ".join(a.decode(errors="replace").split()) for a in argv if a)[:120]
-                    return f"pid {fd_dir.parent.name}: {command}"
-        except OSError:
-            continue
-    return None
 
 
 def taken_ports(settings: ServerSettings) -> list[str]:
@@ -129,8 +84,8 @@ class ServerSettings:
 
     @property
     def config_name(self) -> str:
-        """The name of this server's sized configs (sizing.write_configs): one per server, by its gRPC port."""
-        from .sizing import config_name
+        """The name of this server's sized configs (sized.write_configs): one per server, by its gRPC port."""
+        from .sized import config_name
 
         return config_name(self.grpc_port)
 
@@ -161,7 +116,7 @@ def server_flags(settings: ServerSettings) -> list[str]:
         f"--metrics-port={settings.metrics_port}",
         "--model-control-mode=explicit",
         "--load-model=*",
-        # The sized counts (sizing.write_configs): <model>/configs/<name>.pbtxt where there is one, else config.pbtxt.
+        # The sized counts (sized.write_configs): <model>/configs/<name>.pbtxt where there is one, else config.pbtxt.
         *([f"--model-config-name={settings.config_name}"] if settings.instance_counts is not None else []),
         "--strict-readiness=true",
         # Every config here is complete: without this, 2.51 starts one more stub on every load of a Python model
@@ -208,86 +163,6 @@ def trace_flags(trace: str | None, rate: int = 1) -> list[str]:
     else:
         where = ["--trace-config=mode=triton", f"--trace-config=triton,file={Path(trace).resolve()}"]
     return [*where, "--trace-config=level=TIMESTAMPS", f"--trace-config=rate={rate}"]
-
-
-def triton_home() -> Path | None:
-    """$TRITONSERVER_HOME: your own tritonserver tree (bin/tritonserver, backends/ with the Python backend
-    and its stub for this interpreter already in place), used as is instead of the nvidia-pytriton wheel."""
-    home = os.environ.get("TRITONSERVER_HOME")
-    return Path(home) if home else None
-
-
-def local_tritonserver() -> tuple[Path, Path]:
-    """(tritonserver binary, backend directory): $TRITONSERVER_HOME's, else the nvidia-pytriton wheel's.
-
-    The wheel ships one Python-backend stub per Python version; the backend directory is a copy of the
-    wheel's with the stub for this interpreter in place.
-    """
-    home = triton_home()
-    if home is not None:
-        return home / "bin" / "tritonserver", home / "backends"
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the local Triton comes from the nvidia-pytriton wheel: pip install -e '.[local]'")
-    home = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
-    python = f"{sys.version_info.major}.{sys.version_info.minor}"
-    stub = home / "python_backend_stubs" / python / "triton_python_backend_stub"
-    if not stub.is_file():
-        raise RuntimeError(f"nvidia-pytriton ships no Python-backend stub for Python {python}")
-    version = importlib.metadata.version("nvidia-pytriton")
-    backends = cache_dir() / f"pytriton-{version}-py{python}" / "backends"
-    if not (backends / "python" / stub.name).is_file():
-        staging = backends.with_name(f"backends.{os.getpid()}")
-        shutil.copytree(home / "backends", staging, dirs_exist_ok=True)
-        shutil.copy2(stub, staging / "python" / stub.name)
-        try:
-            staging.rename(backends)
-        except OSError:  # another process won the race: use theirs
-            shutil.rmtree(staging, ignore_errors=True)
-    binary = home / "bin" / "tritonserver"
-    # A stub that cannot load its libraries makes Triton 2.51 wait for it until `serve --timeout`: say so now.
-    missing = missing_libraries(binary, backends / "python" / stub.name, env=local_environment())
-    if missing:
-        raise RuntimeError(
-            f"the local Triton cannot start, shared libraries not found: {', '.join(missing)} (the Python-backend "
-            f"stub needs libpython{python}.so of this interpreter: a Python built with --enable-shared)"
-        )
-    return binary, backends
-
-
-def missing_libraries(*programs: Path, env: dict[str, str]) -> list[str]:
-    """The shared libraries `ldd` cannot find for these programs ([] where there is no ldd)."""
-    if shutil.which("ldd") is None:
-        return []
-    result = subprocess.run(["ldd", *map(str, programs)], env=env, capture_output=True, text=True, timeout=60)
-    return sorted({line.split("=>")[0].strip() for line in result.stdout.splitlines() if "not found" in line})
-
-
-def _libpython_dir() -> list[str]:
-    """This interpreter's LIBDIR, so the stub loads the same libpython: only where the loader would not find it
-    anyway. A system directory (/usr/lib/x86_64-linux-gnu) on LD_LIBRARY_PATH would put its cuDNN ahead of
-    torch's own, and torch fails on the GPU."""
-    libdir = sysconfig.get_config_var("LIBDIR") or ""
-    arch = sysconfig.get_config_var("MULTIARCH") or ""
-    system = {"/lib", "/lib64", "/usr/lib", "/usr/lib64", f"/lib/{arch}", f"/usr/lib/{arch}"}
-    return [] if not libdir or os.path.normpath(libdir) in system else [libdir]
-
-
-def local_environment() -> dict[str, str]:
-    """The wheel's libraries and this interpreter's libpython for the server and its stubs; this venv's
-    `python3` first on PATH, which is how each stub's embedded Python finds this venv's site-packages."""
-    env = dict(os.environ)
-    if triton_home() is not None:
-        # Your own build: its libraries and libpython are on your LD_LIBRARY_PATH. (Prepending LIBDIR here
-        # could shadow torch's own cuDNN/nvJPEG with a system copy of another version.)
-        libs = []
-    else:
-        spec = importlib.util.find_spec("pytriton")
-        site = Path(next(iter(spec.submodule_search_locations))).parent
-        libs = [str(site / "nvidia_pytriton.libs"), *_libpython_dir()]
-    env["LD_LIBRARY_PATH"] = os.pathsep.join([*libs, env.get("LD_LIBRARY_PATH", "")]).strip(os.pathsep)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    return env
 
 
 def print_model_states(states: dict[str, str]) -> None:
@@ -360,11 +235,11 @@ class TritonServer:
             self.mps = None
 
     def start(self) -> TritonServer:
-        from . import sizing
+        from . import sized
 
         settings = self.settings
         if settings.instance_counts is not None:
-            sizing.write_configs(settings.model_repository, settings.instance_counts, settings.config_name)
+            sized.write_configs(settings.model_repository, settings.instance_counts, settings.config_name)
         self.start_mps()
         argv, env = self.command()
         # A session of its own: Ctrl-C in a terminal reaches this process, which drains first (stop()).
@@ -478,14 +353,14 @@ class TritonServer:
     def stop(self) -> int | None:
         """Stop the server (_stop_server), then its MPS daemon: also when the server had exited on its own. Its sized
         configs go too."""
-        from . import sizing
+        from . import sized
 
         try:
             return self._stop_server()
         finally:
             self.stop_mps()
             if self.settings.instance_counts is not None:
-                sizing.remove_configs(self.settings.model_repository, self.settings.config_name)
+                sized.remove_configs(self.settings.model_repository, self.settings.config_name)
 
     def _stop_server(self) -> int | None:
         """Drain, SIGTERM, and end the teardown of a drained server after TEARDOWN_GRACE_S: exit code 0.

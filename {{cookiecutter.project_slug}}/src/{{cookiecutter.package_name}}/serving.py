@@ -50,7 +50,7 @@ def serve(args) -> int:
     """Run tritonserver on the model repository until Ctrl-C (or SIGTERM, SIGHUP): check, start, watch, stop."""
     import time
 
-    from . import admin_key, sizing
+    from . import admin_key, sized, sizing
     from .server import CONTAINER_TRITONSERVER, ServerSettings, server_flags, taken_ports
     from .shm import print_shm_need
 
@@ -93,7 +93,7 @@ def serve(args) -> int:
     settings.admin_key, key_place = admin_key.for_serve(rotate=args.new_admin_key)
     for device_plan in plans:
         print(f"instances: {device_plan.line()}")
-    sizing.record(settings.grpc_port, plans)
+    sized.record(settings.grpc_port, plans)
     stop = StopSignals().install()
     try:
         if settings.gpus:  # the compiled ResNet, once per weights and GPU model (compiled.py)
@@ -115,7 +115,7 @@ def serve(args) -> int:
             return 1
         return run_until_stopped(args, server, pump, started, key_place, stop)
     finally:
-        sizing.forget(settings.grpc_port)
+        sized.forget(settings.grpc_port)
 
 
 def missing_weights(repository: Path) -> list[Path]:
@@ -181,7 +181,7 @@ def run_until_stopped(args, server, pump, started: float, key_place: str, stop: 
     tritonserver itself die meanwhile, start it again, within limits (restarts.py)."""
     import time
 
-    from . import sizing
+    from . import sized
     from .console import LogPump
     from .health import StubWatchdog
     from .restarts import RESTART_WINDOW_S, Restarts, why_it_ended
@@ -230,7 +230,7 @@ def run_until_stopped(args, server, pump, started: float, key_place: str, stop: 
                 time.sleep(0.1)
                 ticks += 1
                 if ticks % 10 == 0 and server.settings.instance_counts is not None:  # an edited config.pbtxt
-                    sizing.sync_configs(server.settings.model_repository, server.settings.config_name)  # next load
+                    sized.sync_configs(server.settings.model_repository, server.settings.config_name)  # next load
             watchdog.stop()
             if stop.requested:
                 raise KeyboardInterrupt
