@@ -87,6 +87,7 @@ src/image_classifier/cli.py
 src/image_classifier/client.py
 src/image_classifier/compiled.py
 src/image_classifier/console.py
+src/image_classifier/counters.py
 src/image_classifier/health.py
 src/image_classifier/images.py
 src/image_classifier/machine.py

@@ -28,6 +28,7 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack
 
 from . import stub_deaths
+from .counters import COUNTERS
 from .images import InvalidImage, RequestLimits
 from .model_repository import parameters, pixels_dtype, torch_dtype, undeclared_call
 from .rules import OVERLOAD_MESSAGES
@@ -81,6 +82,16 @@ class Instance:
         self.guard = Guard()  # answers the requests of an execute whose BLS call will never return
         self.trace = None  # the trace of the batch being served (serve), its BLS calls its children
         self.request_timeout_us = 0
+        COUNTERS.setup(self.name)
+
+    def preprocess(self) -> Preprocess:
+        """The preprocess stage as this instance's config sets it up (its resize, crop and caps, its PIXELS dtype),
+        its host decodes counted (COUNTERS), its GPU memory owned from load on a GPU."""
+        stage = Preprocess.from_parameters(self.device, self.dtype("PIXELS"), self.parameters)
+        stage.on_host_decode = lambda: COUNTERS.count("host_decoded_images")
+        if self.on_gpu:  # this process runs preprocess alone: GPU memory capped, its peak held from load
+            stage.own_gpu_memory(self.config["max_batch_size"])
+        return stage
 
     def bind(self) -> None:
         """Make this instance's GPU the calling thread's current CUDA device.
@@ -258,6 +269,7 @@ class Guard:
                     sender = request.get_response_sender()
                     sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 answered = len(self.requests)
+            COUNTERS.count("given_up_requests", answered)
             pb_utils.Logger.log_warn(f"{message}: {answered} requests answered with that error")
 
 
@@ -289,6 +301,7 @@ def fused_preprocess(instance: Instance, args: dict):
     repository = Path(args["model_repository"]).parent
     dtype = pixels_dtype(repository)
     decoder = Preprocess.from_parameters(instance.device, dtype, parameters(repository / "preprocess"))
+    decoder.on_host_decode = lambda: COUNTERS.count("host_decoded_images")
     if instance.on_gpu:  # as the preprocess model does: decode memory capped, its peak held from load, not climbed to
         decoder.own_gpu_memory(instance.config["max_batch_size"])
 
@@ -344,7 +357,10 @@ def is_input_error(exc: BaseException) -> bool:
 
 
 def error_response(exc: Exception) -> pb_utils.InferenceResponse:
-    """A per-request error: INVALID_ARG when the client sent something bad, the stage's own code otherwise."""
+    """A per-request error: INVALID_ARG when the client sent something bad (counted), the stage's own code
+    otherwise."""
+    if is_input_error(exc):
+        COUNTERS.count("invalid_requests")
     if isinstance(exc, StageError):
         message, code = str(exc), exc.code
     elif isinstance(exc, InvalidImage):

@@ -78,6 +78,7 @@ class Preprocess:
         self.resize, self.crop = resize, crop
         self.max_pixels = max_pixels
         self.limits = limits or RequestLimits()  # the caps of one request (images.py)
+        self.on_host_decode = None  # called for each image decoded on the host (python_backend counts them)
         # At most this many decoded pixels are held at once on the device (a batch of 128 full-size 40 MP images
         # would be 15 GB); an image larger than that is decoded and resized on the host (`_on_host`).
         self.decode_budget_pixels = decode_budget_pixels
@@ -149,6 +150,8 @@ class Preprocess:
         it decodes (libjpeg's DCT scaling, through Pillow's `draft`: 1/2, 1/4 or 1/8) to the smallest size whose
         short side is still at least `resize`: a 40 MP photo decodes at 1/8, in a few milliseconds. Raises
         InvalidImage."""
+        if self.on_host_decode is not None:
+            self.on_host_decode()
         if item.fmt != "JPEG":
             image = self._decode_on_host(item.data, item.width, item.height)
         else:

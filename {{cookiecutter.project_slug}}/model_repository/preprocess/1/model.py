@@ -3,17 +3,12 @@
 import triton_python_backend_utils as pb_utils
 
 from {{ cookiecutter.package_name }}.python_backend import Instance, error_response, exit_stub, to_triton
-from {{ cookiecutter.package_name }}.stages import Preprocess
 
 
 class TritonPythonModel:
     def initialize(self, args):
         self.instance = Instance(args)
-        self.preprocess = Preprocess.from_parameters(
-            self.instance.device, self.instance.dtype("PIXELS"), self.instance.parameters
-        )
-        if self.instance.on_gpu:  # this process runs preprocess alone: GPU memory capped, its peak held from load
-            self.preprocess.own_gpu_memory(self.instance.config["max_batch_size"])
+        self.preprocess = self.instance.preprocess()  # stages.Preprocess, as this model's config sets it up
 
     def execute(self, requests):
         # Strings cannot travel through DLPack: encoded images are read as numpy, on the CPU.
