@@ -18,11 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import tritonclient.grpc as grpcclient
 from conftest import image_input, infer, local_server_only, make_image, png_header
 from PIL import Image
-from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
 from {{ cookiecutter.package_name }} import stub_deaths
@@ -41,7 +39,6 @@ from {{ cookiecutter.package_name }}.model_repository import (
     bls_callers,
     load_config,
     loaded_versions,
-    numpy_dtype,
     set_instance_counts,
     set_parameter,
 )
@@ -354,39 +351,38 @@ def test_a_stage_rejecting_for_overload_reaches_the_pipelines_client_as_unavaila
     ), rejected
 
 
-def test_a_requests_deadline_reaches_the_stage_it_waits_at(server, model_repository, max_batch):
-    """A request's timeout (the client's `timeout`, microseconds) goes with each BLS call the pipeline makes for it:
-    queued behind a backlog at resnet, it is answered UNAVAILABLE once its deadline has passed, naming the stage,
-    instead of waiting out the pipeline's 30 s bls_timeout_us and being served to a client that has gone."""
-    datatype = model_config_pb2.DataType.Name(load_config(model_repository / "resnet").input[0].data_type)
-    if datatype == "TYPE_BF16":
-        pytest.skip("BF16 pixels have no numpy type to send them from")
-    batch = max_batch if torch.cuda.is_available() else min(max_batch, 8)  # a CPU takes about 0.5 s for 8
-    pixels = np.zeros((batch, 3, 224, 224), dtype=numpy_dtype(datatype))
-    tensor = grpcclient.InferInput("PIXELS", list(pixels.shape), datatype.removeprefix("TYPE_"))
-    tensor.set_data_from_numpy(pixels)
+@contextlib.contextmanager
+def resnet_waits_for_a_full_batch(server: TritonServer, delay_s: float):
+    """resnet reloaded to hold every request up to `delay_s` in its queue for a full batch, for the while: a wait
+    at that stage as long as that, whatever the machine; its own config loaded again after."""
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        original = client.get_model_config("resnet", as_json=True)["config"]
+        config = json.loads(json.dumps(original))
+        config["dynamic_batching"]["max_queue_delay_microseconds"] = str(int(delay_s * 1e6))
+        config["dynamic_batching"]["preferred_batch_size"] = [config["max_batch_size"]]
+        client.load_model("resnet", config=json.dumps(config), headers=server.settings.admin_headers)
+        wait_for_configured_stubs(server, 120)
+        try:
+            yield
+        finally:
+            client.load_model("resnet", config=json.dumps(original), headers=server.settings.admin_headers)
+            wait_for_configured_stubs(server, 120)
+
+
+@local_server_only
+def test_a_requests_deadline_reaches_the_stage_it_waits_at(own_server, max_batch):
+    """A request's timeout (the client's `timeout`, microseconds) goes with each BLS call the pipeline makes for it:
+    held at resnet (which waits up to 5 s for a full batch here), a request with 1 s is answered UNAVAILABLE naming
+    the stage, instead of being served once the wait is over to a client that has gone."""
+    if max_batch == 1:
+        pytest.skip("a batch of one is full at once: resnet holds nothing back")
+    with resnet_waits_for_a_full_batch(own_server, 5), grpcclient.InferenceServerClient(own_server.grpc_url) as c:
         started = time.monotonic()
-        client.infer("resnet", [tensor], client_timeout=120)
-        each = time.monotonic() - started
-    # up to 4 s of resnet work (its queue's timeout is 10 s), and 4 times the pipeline request's timeout
-    queue = load_config(model_repository / "resnet").dynamic_batching.default_queue_policy.max_queue_size
-    backlog = min(int(4 / each) + 2, 32, queue - 1)
-    timeout_s = min(max(backlog * each / 4, 0.1), 1.0)
-
-    def direct(_):
-        with contextlib.suppress(InferenceServerException), grpcclient.InferenceServerClient(server.grpc_url) as c:
-            c.infer("resnet", [tensor], client_timeout=120)
-
-    with ThreadPoolExecutor(backlog) as pool:
-        busy = [pool.submit(direct, i) for i in range(backlog)]
-        time.sleep(min(0.5, backlog * each / 8))  # the backlog is queued at resnet
-        with pytest.raises(InferenceServerException) as info, grpcclient.InferenceServerClient(server.grpc_url) as c:
-            c.infer("pipeline", [image_input([make_image(0)])], timeout=int(timeout_s * 1e6), client_timeout=120)
-        for future in busy:
-            future.result()
+        with pytest.raises(InferenceServerException) as info:
+            c.infer("pipeline", [image_input([make_image(0)])], timeout=1_000_000, client_timeout=120)
+        waited = time.monotonic() - started
     message = info.value.message()
-    print(f"\nresnet backlog of {backlog} x {each:.2f} s, a request with {timeout_s:.2f} s: {message}")
+    print(f"\na request with 1 s, held at resnet for a batch: answered after {waited:.1f} s: {message}")
     assert info.value.status() == "StatusCode.UNAVAILABLE", message
     assert message.startswith("resnet: ") and "timeout" in message.lower(), message
 
