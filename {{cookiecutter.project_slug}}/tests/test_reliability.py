@@ -117,32 +117,37 @@ def wait_for_configured_stubs(server: TritonServer, timeout_s: float, poll_s: fl
         time.sleep(poll_s)
 
 
-def reload_pipeline(server: TritonServer, config: dict | None = None) -> None:
-    """Load the pipeline again (with this config where given, with the admin key), once the versions earlier
+def reload_model(server: TritonServer, model: str, config: dict | None = None) -> None:
+    """Load `model` again (with this config where given, with the admin key), once the versions earlier
     reloads replaced have unloaded, and return once this reload's replaced version has too. 2.51 ends a replaced
     version's stubs one a second (16 pipeline stubs: 16 s), and under MPS a reload within that time makes three
     generations of pipeline stubs, past the 48 clients a GPU takes (on the H200 the new version then failed to
     load: "CUDA-capable device(s) is/are busy or unavailable")."""
     wait_for_configured_stubs(server, 120)
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        client.load_model("pipeline", config=None if config is None else json.dumps(config),
+        client.load_model(model, config=None if config is None else json.dumps(config),
                           headers=server.settings.admin_headers)  # fmt: skip
     wait_for_configured_stubs(server, 120)
 
 
 @contextlib.contextmanager
-def pipeline_queue_policy(server: TritonServer, **policy: str):
-    """The pipeline reloaded with these `dynamic_batching.default_queue_policy` fields for the while, its own
-    config loaded again after."""
+def config_changed(server: TritonServer, model: str, change):
+    """`model` reloaded with its served config as `change(config)` edits it (the JSON the server gives) for the
+    while, its own config loaded again after."""
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        original = client.get_model_config("pipeline", as_json=True)["config"]
+        original = client.get_model_config(model, as_json=True)["config"]
     config = json.loads(json.dumps(original))
-    config["dynamic_batching"]["default_queue_policy"].update(policy)
-    reload_pipeline(server, config)
+    change(config)
+    reload_model(server, model, config)
     try:
         yield
     finally:
-        reload_pipeline(server, original)
+        reload_model(server, model, original)
+
+
+def pipeline_queue_policy(server: TritonServer, **policy: str):
+    """The pipeline reloaded with these `dynamic_batching.default_queue_policy` fields for the while."""
+    return config_changed(server, "pipeline", lambda c: c["dynamic_batching"]["default_queue_policy"].update(policy))
 
 
 # ---------------------------------------------------------------- bad input, on the shared server
@@ -351,22 +356,15 @@ def test_a_stage_rejecting_for_overload_reaches_the_pipelines_client_as_unavaila
     ), rejected
 
 
-@contextlib.contextmanager
 def resnet_waits_for_a_full_batch(server: TritonServer, delay_s: float):
     """resnet reloaded to hold every request up to `delay_s` in its queue for a full batch, for the while: a wait
-    at that stage as long as that, whatever the machine; its own config loaded again after."""
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        original = client.get_model_config("resnet", as_json=True)["config"]
-        config = json.loads(json.dumps(original))
+    at that stage as long as that, whatever the machine."""
+
+    def hold(config: dict) -> None:
         config["dynamic_batching"]["max_queue_delay_microseconds"] = str(int(delay_s * 1e6))
         config["dynamic_batching"]["preferred_batch_size"] = [config["max_batch_size"]]
-        client.load_model("resnet", config=json.dumps(config), headers=server.settings.admin_headers)
-        wait_for_configured_stubs(server, 120)
-        try:
-            yield
-        finally:
-            client.load_model("resnet", config=json.dumps(original), headers=server.settings.admin_headers)
-            wait_for_configured_stubs(server, 120)
+
+    return config_changed(server, "resnet", hold)
 
 
 @local_server_only
@@ -412,7 +410,7 @@ def test_hot_reload_of_the_pipeline_under_load_loses_no_request(own_server):
         t.start()
     try:
         time.sleep(2)
-        wait_for_configured_stubs(own_server, 120)  # no replaced version still unloading (reload_pipeline)
+        wait_for_configured_stubs(own_server, 120)  # no replaced version still unloading (reload_model)
         with grpcclient.InferenceServerClient(own_server.grpc_url) as c:
             c.load_model("pipeline", headers=own_server.settings.admin_headers)  # picks up version 2
         deadline = time.monotonic() + 120

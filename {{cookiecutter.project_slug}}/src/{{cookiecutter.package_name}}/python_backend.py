@@ -84,12 +84,15 @@ class Instance:
         self.request_timeout_us = 0
         COUNTERS.setup(self.name)
 
-    def preprocess(self) -> Preprocess:
-        """The preprocess stage as this instance's config sets it up (its resize, crop and caps, its PIXELS dtype),
-        its host decodes counted (COUNTERS), its GPU memory owned from load on a GPU."""
-        stage = Preprocess.from_parameters(self.device, self.dtype("PIXELS"), self.parameters)
+    def preprocess(self, parameters: dict[str, str] | None = None, dtype: torch.dtype | None = None) -> Preprocess:
+        """The preprocess stage on this instance's device, as these parameters and PIXELS dtype set it up (resize,
+        crop, caps; default: this instance's own config's), its host decodes counted (COUNTERS), and on a GPU its
+        memory owned from load: capped at its peak, the peak held from load, not climbed to."""
+        stage = Preprocess.from_parameters(
+            self.device, dtype or self.dtype("PIXELS"), self.parameters if parameters is None else parameters
+        )
         stage.on_host_decode = lambda: COUNTERS.count("host_decoded_images")
-        if self.on_gpu:  # this process runs preprocess alone: GPU memory capped, its peak held from load
+        if self.on_gpu:
             stage.own_gpu_memory(self.config["max_batch_size"])
         return stage
 
@@ -299,11 +302,7 @@ def fused_preprocess(instance: Instance, args: dict):
     memory owned from load); the cap covers this process's torch allocations, the decode's and an in-process
     top-k's (under 1 MiB at batch 128)."""
     repository = Path(args["model_repository"]).parent
-    dtype = pixels_dtype(repository)
-    decoder = Preprocess.from_parameters(instance.device, dtype, parameters(repository / "preprocess"))
-    decoder.on_host_decode = lambda: COUNTERS.count("host_decoded_images")
-    if instance.on_gpu:  # as the preprocess model does: decode memory capped, its peak held from load, not climbed to
-        decoder.own_gpu_memory(instance.config["max_batch_size"])
+    decoder = instance.preprocess(parameters(repository / "preprocess"), pixels_dtype(repository))
 
     def preprocess(images: pb_utils.Tensor) -> torch.Tensor:
         instance.bind()
@@ -487,7 +486,7 @@ def batch_then_alone(stage, inputs: list[pb_utils.Tensor], check=None) -> Batch:
     the bad input. Any other error (overload, a timeout) is no request's fault: every request answers with it.
     With `check`, a request whose input `check(input)` raises on answers with that exception, never joined."""
     if check is not None:
-        refused = {i: exc for i, tensor in enumerate(inputs) if (exc := _raised(check, tensor)) is not None}
+        refused = {i: exc for i, t in enumerate(inputs) if isinstance(exc := _result_or_error(check, t), Exception)}
         if refused:
             served = [tensor for i, tensor in enumerate(inputs) if i not in refused]
             rest = batch_then_alone(stage, served) if served else Batch(None, [])
@@ -502,14 +501,6 @@ def batch_then_alone(stage, inputs: list[pb_utils.Tensor], check=None) -> Batch:
         if len(inputs) == 1 or not is_input_error(exc):
             return Batch(None, [exc] * len(inputs))
     return Batch.of([_result_or_error(stage, tensor) for tensor in inputs])
-
-
-def _raised(check, tensor: pb_utils.Tensor) -> Exception | None:
-    try:
-        check(tensor)
-    except Exception as exc:
-        return exc
-    return None
 
 
 def _result_or_error(stage, tensor: pb_utils.Tensor) -> Any:

@@ -35,12 +35,6 @@ class StopSignals:
         if not self.deferred:
             raise KeyboardInterrupt
 
-    def interruptible(self) -> None:
-        """From now on a signal raises KeyboardInterrupt (at once, if one came meanwhile)."""
-        self.deferred = False
-        if self.requested:
-            raise KeyboardInterrupt
-
     def defer(self) -> None:
         """From now on a signal only sets `requested`."""
         self.deferred = True
@@ -57,9 +51,15 @@ def serve(args) -> int:
     container = CONTAINER_TRITONSERVER.is_dir() if args.container is None else args.container
     address = args.address or ("0.0.0.0" if container else "127.0.0.1")
     settings = ServerSettings(
-        args.model_repository, args.http_port, args.grpc_port, args.metrics_port, address=address, mps=args.mps
+        args.model_repository,
+        args.http_port,
+        args.grpc_port,
+        args.metrics_port,
+        address=address,
+        mps=args.mps,
+        trace=args.trace or os.environ.get("TRITON_TRACE"),
+        trace_rate=args.trace_rate,
     )
-    settings.trace, settings.trace_rate = args.trace or os.environ.get("TRITON_TRACE"), args.trace_rate
     starting = not (args.print_flags or args.print_shm)
     if starting and (taken := taken_ports(settings)):
         print(
