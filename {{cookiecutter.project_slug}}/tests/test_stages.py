@@ -94,10 +94,15 @@ def test_a_request_over_a_cap_fails_alone_and_before_any_decode():
 
 
 def test_the_request_caps_in_the_config_are_the_code_defaults():
-    """One default, stated in preprocess's config.pbtxt and in RequestLimits: the same."""
+    """One default, stated in preprocess's config.pbtxt, in RequestLimits and in docs/deployment.md: the same."""
     from conftest import PROJECT
 
-    assert RequestLimits.from_parameters(parameters(PROJECT / "model_repository" / "preprocess")) == RequestLimits()
+    limits = RequestLimits.from_parameters(parameters(PROJECT / "model_repository" / "preprocess"))
+    assert limits == RequestLimits()
+    stated = " ".join((PROJECT / "docs" / "deployment.md").read_text().split())  # and the docs say the same
+    assert f"`max_image_bytes` {limits.image_bytes >> 20} MiB an image" in stated
+    assert f"`max_request_bytes` {limits.request_bytes >> 20} MiB and `max_request_pixels` 1 G pixels" in stated
+    assert limits.request_pixels == 1_000_000_000
 
 
 @pytest.mark.parametrize("fraction", [1 / 3, 0.9, 0.999])
