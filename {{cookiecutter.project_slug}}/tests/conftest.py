@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import shutil
 import struct
+import urllib.request
 import zlib
 from pathlib import Path
 
@@ -82,6 +84,20 @@ def image_input(images: list[bytes]) -> grpcclient.InferInput:
 def infer(url: str, inputs: list, model: str = "pipeline") -> grpcclient.InferResult:
     with grpcclient.InferenceServerClient(url) as client:
         return client.infer(model, inputs, client_timeout=120)
+
+
+def metrics(server) -> dict[tuple[str, str], float]:
+    """{(metric, model): value} of the server's Prometheus metrics that carry a model label and no other but its
+    version: the project's own counters (python_backend.Counters, named without their package prefix and `_total`)
+    and Triton's nv_inference_* ones."""
+    url = f"http://localhost:{server.settings.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=30).read().decode()
+    found = re.findall(r'^(\w+)\{model="(\w+)"(?:,version="\d+")?\} (\S+)$', text, re.M)
+    prefix = "{{ cookiecutter.package_name }}_"
+    return {
+        (name[len(prefix) : -len("_total")] if name.startswith(prefix) else name, model): float(value)
+        for name, model, value in found
+    }
 
 
 def assert_same_answers(a: dict, b: dict, repository: Path, atol: float = 1e-5) -> None:

@@ -7,7 +7,7 @@ import re
 import urllib.request
 
 import pytest
-from conftest import image_input, infer, local_server_only, make_image
+from conftest import image_input, infer, local_server_only, make_image, metrics
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
@@ -29,25 +29,17 @@ def test_the_metrics_hold_each_models_latency_percentiles(server):
             assert any(all(label in found for label in labels) for found in summaries), f"no p{quantile} of {model}"
 
 
-def counters(server) -> dict[tuple[str, str], float]:
-    """{(counter, model): value} of the project's own counters (python_backend.Counters) in the server's metrics."""
-    url = f"http://localhost:{server.settings.metrics_port}/metrics"
-    text = urllib.request.urlopen(url, timeout=30).read().decode()
-    found = re.findall(r'^{{ cookiecutter.package_name }}_(\w+)_total\{model="(\w+)"\} (\S+)$', text, re.M)
-    return {(name, model): float(value) for name, model, value in found}
-
-
 @local_server_only
 def test_the_projects_counters_count_bad_requests_and_host_decodes(server):
     """A bad image is counted where it was refused (preprocess) and where its request was answered (pipeline); an
     image over the decode budget (24 M pixels) is counted as decoded on the host."""
-    before = counters(server)
+    before = metrics(server)
     with pytest.raises(InferenceServerException):
         infer(server.grpc_url, [image_input([b"not an image"])])
     large = io.BytesIO()
     Image.new("RGB", (6000, 4500), (90, 120, 150)).save(large, format="JPEG")  # 27 M pixels
     infer(server.grpc_url, [image_input([large.getvalue()])])
-    after = counters(server)
+    after = metrics(server)
     for key in (("invalid_requests", "preprocess"), ("invalid_requests", "pipeline")):
         assert after.get(key, 0) == before.get(key, 0) + 1, (key, before, after)
     assert after[("host_decoded_images", "preprocess")] == before.get(("host_decoded_images", "preprocess"), 0) + 1

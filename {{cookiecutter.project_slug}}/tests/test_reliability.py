@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from conftest import image_input, infer, local_server_only, make_image, png_header
+from conftest import image_input, infer, local_server_only, make_image, metrics, png_header
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
@@ -383,6 +383,31 @@ def test_a_requests_deadline_reaches_the_stage_it_waits_at(own_server, max_batch
     print(f"\na request with 1 s, held at resnet for a batch: answered after {waited:.1f} s: {message}")
     assert info.value.status() == "StatusCode.UNAVAILABLE", message
     assert message.startswith("resnet: ") and "timeout" in message.lower(), message
+
+
+@local_server_only
+def test_a_request_its_client_cancels_goes_to_no_further_stage(own_server, max_batch):
+    """A request whose client cancels it while resnet holds it (5 s for a full batch) is not served on: the pipeline
+    answers it CANCELLED before postprocess and counts it, and postprocess never sees it. (2.51 cannot stop the
+    resnet call in flight: the check comes before the next stage.)"""
+    if max_batch == 1:
+        pytest.skip("a batch of one is full at once: resnet holds nothing back")
+    cancelled, served = ("cancelled_requests", "pipeline"), ("nv_inference_request_success", "postprocess")
+    with resnet_waits_for_a_full_batch(own_server, 5), grpcclient.InferenceServerClient(own_server.grpc_url) as c:
+        before = metrics(own_server)
+        answers = []
+        call = c.async_infer("pipeline", [image_input([make_image(0)])], lambda **answer: answers.append(answer))
+        time.sleep(1)  # in the pipeline's BLS call to resnet by now
+        call.cancel()
+        deadline = time.monotonic() + 30
+        while metrics(own_server).get(cancelled, 0) == before.get(cancelled, 0) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1)  # had postprocess been called, it would have answered by now
+        after = metrics(own_server)
+    print(f"\nthe client saw {answers[0]['error'] if answers else 'nothing'}")
+    assert answers and answers[0]["error"] is not None and "CANCELLED" in str(answers[0]["error"].status()), answers
+    assert after.get(cancelled, 0) == before.get(cancelled, 0) + 1, (before, after)
+    assert after.get(served, 0) == before.get(served, 0), "postprocess served a cancelled request"
 
 
 @local_server_only

@@ -16,6 +16,7 @@ class Counters:
         "invalid_requests": "Requests answered INVALID_ARGUMENT: a bad image, or a request over a cap",
         "host_decoded_images": "Images over the GPU's decode budget, decoded and resized on the host",
         "given_up_requests": "Requests answered UNAVAILABLE by the guard after a called stage's stub died",
+        "cancelled_requests": "Requests cancelled by their client, stopped before their next stage",
     }
 
     def __init__(self):

@@ -61,6 +61,10 @@ class StageError(Exception):
         self.code = code
 
 
+class Cancelled(Exception):
+    """A request whose client has cancelled it (or whose gRPC call has gone): answered CANCELLED, not served on."""
+
+
 class Instance:
     """One model instance: its config, its parameters and the device it owns."""
 
@@ -166,6 +170,17 @@ class Instance:
                 message = f"{DEV_SHM_ADVICE}. {message}"
             raise StageError(f"{model_name}: {message}", code)
         return {name: pb_utils.get_output_tensor_by_name(response, name) for name in outputs}
+
+    def unless_cancelled(self, batch: Batch, before: str) -> Batch:
+        """`batch` without the requests of this execute whose client has cancelled them: each answers CANCELLED
+        (counted) and goes no further. Call it before each stage (`request.is_cancelled()`: one message to the
+        server per request); Triton's queue already drops a request cancelled while it waits there, and 2.51 cannot
+        stop a BLS call in flight. Requests the guard has answered are not asked: 2.51 has released them."""
+        with self.guard.lock:
+            if self.guard.answered or self.guard.requests is None:
+                return batch
+            gone = [i for i, request in enumerate(self.guard.requests) if request.is_cancelled()]
+        return batch.drop({i: Cancelled(f"cancelled by the client; stopped before {before}") for i in gone})
 
     def serve(self, execute, requests: list) -> list | None:
         """`execute(requests)`: a BLS model's own execute, whose BLS calls (`infer`) block. Should one of them never
@@ -360,7 +375,10 @@ def error_response(exc: Exception) -> pb_utils.InferenceResponse:
     otherwise."""
     if is_input_error(exc):
         COUNTERS.count("invalid_requests")
-    if isinstance(exc, StageError):
+    if isinstance(exc, Cancelled):
+        COUNTERS.count("cancelled_requests")
+        message, code = str(exc), pb_utils.TritonError.CANCELLED
+    elif isinstance(exc, StageError):
         message, code = str(exc), exc.code
     elif isinstance(exc, InvalidImage):
         message, code = INVALID_INPUT + str(exc), pb_utils.TritonError.INVALID_ARG
@@ -457,6 +475,16 @@ class Batch:
                 except Exception as exc:
                     parts[i], dropped = exc, True
         return Batch.of(parts) if dropped else self
+
+    def drop(self, errors: dict[int, Exception]) -> Batch:
+        """Request i of `errors` answers with errors[i] and goes no further; the others go on (joined again)."""
+        if not errors:
+            return self
+        parts = _parts(self.data, self.sizes)
+        for i, exc in errors.items():
+            if not isinstance(parts[i], Exception):
+                parts[i] = exc
+        return Batch.of(parts)
 
     def _then_by(self, stage, keys: list) -> Batch:
         parts = [
