@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# One device call for the compiled ResNet (issue: the model at the GPU's speed), from the template root after
+# One device call for the compiled ResNet (torch.compile from a cache, compiled.py), from the template root after
 # `source .gpu-bundle/activate`, on a bake from scripts/gpu_bake.sh (fp16), within CALL_LIMIT_S (default 560 s):
-#   1. `image-classifier compile` as serve runs it (the config's mode, max-autotune), timed; beside it, a compile in
-#      `default` mode of a copy of the repository (its own cache), timed;
-#   2. compile-probe.py: the stage's ceiling outside Triton, eager, CUDA graphs and each compiled package;
+#   1. `image-classifier compile` as serve runs it (the config's mode, default), cold, then again (cached), timed;
+#   2. compile-probe.py: the stage's ceiling outside Triton: eager, CUDA graphs, compiled from the cache;
 #   3. benchmarks.e2e: the pipeline and the ensemble through Triton, compiled and eager, one server after the other;
 #   4. the GPU tests of the compiled path (PYTEST_K), with the time left.
 # Everything goes to OUT (logs, compile-probe.json, e2e.json/.md, suite JUnit XML).
@@ -18,22 +17,17 @@ image-classifier weights random >/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/gpu.txt"
 export TRITON_COMPILE_CACHE=/tmp/compiled PYTHONUNBUFFERED=1
-rm -rf /tmp/repo-default && cp -r model_repository /tmp/repo-default
-python -c "from image_classifier.model_repository import set_parameter as s; s('/tmp/repo-default', 'resnet', 'compile', 'default')"
-( s=$SECONDS; TRITON_COMPILE_CACHE=/tmp/compiled-default timeout "${DEFAULT_LIMIT_S:-400}" \
-    python -m image_classifier.compiled --repository /tmp/repo-default >"$out/compile-default.log" 2>&1
-  echo "default compile: rc $? in $((SECONDS - s)) s" >>"$out/compile-default.log" ) &
-s=$SECONDS
-timeout "$(left 150)" image-classifier compile 2>&1 | tee "$out/compile.log" | grep -v "^  still"
-echo "=== max-autotune compile: rc ${PIPESTATUS[0]} in $((SECONDS - s)) s"
-wait
-tail -n 3 "$out/compile-default.log"
-ls -la /tmp/compiled /tmp/compiled-default
+for run in cold cached; do
+  s=$SECONDS
+  timeout "$(left 150)" image-classifier compile 2>&1 | tee "$out/compile-$run.log" | grep -v "^  still" | tail -n 3
+  echo "=== compile ($run): rc ${PIPESTATUS[0]} in $((SECONDS - s)) s"
+done
+cat /tmp/compiled/*/ready.json 2>/dev/null | tee "$out/ready.json"
+du -sh /tmp/compiled/* 2>/dev/null
 echo "=== probe ($(left) s left)"
-timeout "$(left 100)" python "$probe" "$out/probe" ${PROBE_STEPS:-eager-fp16 graph-fp16 compiled-max-autotune-fp16} 2>&1 | cut -c1-500
-TRITON_COMPILE_CACHE=/tmp/compiled-default timeout "$(left 100)" python "$probe" "$out/probe" compiled-default-fp16 2>&1 | cut -c1-500
+timeout "$(left 100)" python "$probe" "$out/probe" ${PROBE_STEPS:-eager-fp16 graph-fp16 compiled-default-fp16} 2>&1 | cut -c1-500
 echo "=== e2e ($(left) s left)"
-timeout "$(left 60)" python -m benchmarks.e2e --compile max-autotune off --points ${E2E_POINTS:-1x1 1x8 16x128} \
+timeout "$(left 60)" python -m benchmarks.e2e --compile default off --points ${E2E_POINTS:-1x1 1x8 16x128} \
   --seconds "${E2E_SECONDS:-3}" --out "$out/e2e" 2>&1 | grep -v "^  " | tail -n 30
 echo "=== pytest ($(left) s left)"
 timeout -s INT "$(left)" python -m pytest -p no:cacheprovider -q -rs tests/test_gpu.py \

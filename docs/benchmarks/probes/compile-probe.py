@@ -1,9 +1,9 @@
-"""The ResNet stage's ceiling outside Triton: eager, CUDA graphs and AOTInductor packages (compiled.py), one process
-each, on the bake's weights. Run from a baked project's root on a GPU machine:
+"""The ResNet stage's ceiling outside Triton: eager, CUDA graphs and the model compiled by torch.compile from the
+cache `compile` fills (compiled.py), one process each, on the bake's weights. Run from a baked project's root on a GPU machine:
 
     python ../../docs/benchmarks/probes/compile-probe.py OUT [STEP ...]
 
-STEP: eager-fp16, graph-fp16, compile-max-autotune-fp16, compiled-max-autotune-fp16, ... (default: all, in order).
+STEP: eager-fp16, graph-fp16, compile-default-fp16, compiled-default-fp16, ... (default: all, in order).
 Each bench runs the stage's own Classifier (padding to buckets, the copy in and the clone out) at batch 128 and at
 batch 1, writes its logits on a fixed batch, and compares them with eager's of the same precision.
 Writes OUT/compile-probe.json (one row per step) as it goes.
@@ -19,8 +19,6 @@ from pathlib import Path
 DEFAULT = [
     "eager-fp16",
     "graph-fp16",
-    "compile-max-autotune-fp16",
-    "compiled-max-autotune-fp16",
     "compile-default-fp16",
     "compiled-default-fp16",
     "graph-fp32",
@@ -112,10 +110,11 @@ def main() -> int:
             done = subprocess.run([sys.executable, "-m", "image_classifier.compiled", "--repository=model_repository"],
                                   capture_output=True, text=True, timeout=int(os.environ.get("COMPILE_LIMIT_S", 420)))
             row = {"rc": done.returncode, "tail": (done.stdout + done.stderr)[-1500:]}
-            packages = sorted(compiled.cache_root().glob("*.pt2"), key=lambda p: p.stat().st_mtime)
-            if done.returncode == 0 and packages:
-                row |= {"package_mib": round(packages[-1].stat().st_size / 2**20, 1),
-                        "fields": json.loads(packages[-1].with_suffix(".json").read_text())}
+            readies = sorted(compiled.cache_root().glob("*/ready.json"), key=lambda p: p.stat().st_mtime)
+            if done.returncode == 0 and readies:
+                files = [f for f in readies[-1].parent.rglob("*") if f.is_file()]
+                row |= {"cache_mib": round(sum(f.stat().st_size for f in files) / 2**20, 1),
+                        "fields": json.loads(readies[-1].read_text())}
         else:
             mode = f"{kind}-{mode}" if kind == "compiled" else kind
             done = subprocess.run([sys.executable, __file__, "--bench", str(out), mode, dtype_name],

@@ -203,7 +203,7 @@ def key_value(text: str) -> tuple[str, str]:
 
 
 def compile_resnet(args) -> int:
-    """Compile the resnet packages the repository asks for now, on each GPU (serve does it at start)."""
+    """Compile the resnet models the repository asks for now, on each GPU, into their cache (serve does it at start)."""
     from .compiled import compile_for_serve
     from .machine import visible_gpus
 

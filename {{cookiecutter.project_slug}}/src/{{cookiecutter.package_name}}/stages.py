@@ -408,8 +408,8 @@ class Classifier:
     shapes: per-shape state (cuDNN plans, oneDNN primitives, CUDA graphs) stays bounded however the dynamic batcher
     groups requests. On a GPU each bucket is captured once as a CUDA graph (`cuda_graphs`): one replay instead of
     some 150 kernel launches from Python, which is most of the time at small batches. The model is torchvision's
-    eager one, or, given `compiled`, the same weights compiled ahead of time for this GPU (compiled.py), captured
-    the same way.
+    eager one, or, given `compiled`, the same weights compiled for this GPU by torch.compile (compiled.py),
+    captured the same way.
     """
 
     def __init__(
@@ -430,7 +430,7 @@ class Classifier:
         self.dtype = torch.float32 if (self.device.type == "cpu" and half) else dtype
         self.memory_format = torch.channels_last if self.device.type == "cuda" else torch.contiguous_format
         model = build_resnet(variant, weights, num_classes)  # checks the weights against the class count
-        # `compiled`: the same model compiled ahead of time for this device (compiled.load), FP32 logits out
+        # `compiled`: the same model compiled for this device (compiled.load), FP32 logits out
         if compiled is None:
             compiled = model.to(self.device, self.dtype, memory_format=self.memory_format)
         self.model = compiled

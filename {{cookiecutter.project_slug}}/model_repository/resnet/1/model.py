@@ -22,21 +22,20 @@ class TritonPythonModel:
             )
         classes = int(pb_utils.get_output_config_by_name(self.instance.config, "LOGITS")["dims"][0])
         dtype, max_batch_size = self.instance.dtype("PIXELS"), self.instance.config["max_batch_size"]
-        # On a GPU: the package `serve` compiled for these weights (compiled.py), else eager, saying why
+        # On a GPU: compiled from the cache `serve` filled for these weights (compiled.py), else eager, saying why
         model, how = None, "eager on the CPU"
         if self.instance.on_gpu:
             target = compiled.Target(params["variant"], weights, dtype, max_batch_size, classes, params["compile"])
             model, how = compiled.load(target, self.instance.device)
-        self.classifier = Classifier(
-            params["variant"],
-            weights,
-            self.instance.device,
-            dtype,
-            max_batch_size=max_batch_size,
-            cuda_graphs=params["cuda_graphs"] == "true",
-            num_classes=classes,
-            compiled=model,
-        )
+        stage = (params["variant"], weights, self.instance.device, dtype)
+        options = dict(max_batch_size=max_batch_size, cuda_graphs=params["cuda_graphs"] == "true", num_classes=classes)
+        try:
+            self.classifier = Classifier(*stage, compiled=model, **options)
+        except Exception as exc:
+            if model is None:
+                raise
+            how = f"eager, the compiled model failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+            self.classifier = Classifier(*stage, **options)
         pb_utils.Logger.log_info(f"{args['model_instance_name']}: {how}; {self.classifier.load_report}")
 
     def execute(self, requests):
