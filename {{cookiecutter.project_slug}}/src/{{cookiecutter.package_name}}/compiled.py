@@ -9,7 +9,7 @@ on that H100 every load of its package crashed the process that loaded it (SIGSE
 without `run_single_threaded` or `device_index`), so the stage compiles in process from a warm cache instead.
 
 `serve` fills the cache before tritonserver starts (`compile_for_serve`: a child process per GPU, so that neither a
-compiler's crash nor a CUDA context stays with it): every batch size the stage runs (`stages.batch_buckets`),
+compiler's crash nor a CUDA context stays with it): every batch size the stage runs (`resnet.batch_buckets`),
 checked against the eager model (`PARITY`), then `ready.json`. A stage whose key has `ready.json` compiles from that
 cache (Inductor's and Triton's caches, both inside the key's folder); one without it runs eager with CUDA graphs and
 says why in one line.
@@ -147,7 +147,7 @@ def compile_model(target: Target, device: torch.device) -> torch.nn.Module:
     compiles (or finds in the cache) each batch size at its first call, one graph per size (`dynamic=False`)."""
     from torch.fx.experimental.optimization import fuse
 
-    from .stages import batch_buckets, build_resnet
+    from .resnet import batch_buckets, build_resnet
 
     use_cache(target.path(device))
     sizes = len(batch_buckets(target.max_batch_size))
@@ -183,7 +183,7 @@ def warm(target: Target, device: torch.device, force: bool = False) -> Path:
     Every batch size the stage runs, in this process, as the stage runs them (captured as CUDA graphs on a GPU),
     then their scores against the eager model's (`check`). Until it ends well, a note says that it died: what a
     crash or a kill leaves behind (`failure`)."""
-    from .stages import Classifier
+    from .resnet import Classifier
 
     fields = target.fields(device)
     path = target.path(device, fields)
@@ -231,7 +231,7 @@ def check(target: Target, device: torch.device, stage) -> dict:
     """`stage` (a Classifier of the compiled model) against the eager model on the same random pixels, at batch 1
     and at the largest: ValueError if a softmax score differs by more than PARITY. Returns the largest difference
     and whether the CUDA graphs were captured."""
-    from .stages import Classifier
+    from .resnet import Classifier
 
     eager = Classifier(*_stage(target, device), cuda_graphs=False, **_options(target))
     generator = torch.Generator().manual_seed(0)

@@ -2,7 +2,7 @@
 handed from one to the next zero-copy with DLPack.
 
 All requests of one execute() make one batch: one BLS call to each model, in order. A request whose images fail
-to decode gets its own error; the rest are served (`Batch` in python_backend.py keeps the requests apart), and a
+to decode gets its own error; the rest are served (`Batch` in batches.py keeps the requests apart), and a
 request its client has cancelled is answered CANCELLED before the next stage instead of being served on. The
 calls block (`request.exec()`): each costs less than an awaited one, and `Instance.serve` answers the requests if
 a called model's stub dies under a call (python_backend.Guard). Edit the routing here: this is the file to make
