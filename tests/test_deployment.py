@@ -846,6 +846,26 @@ def test_containers_drop_every_capability_and_only_the_inference_ports_are_open_
     assert [p["port"] for p in monitoring["ports"]] == [metrics]
 
 
+def test_the_root_filesystem_is_read_only_but_for_what_serve_writes(project, k8s):
+    """Compose and the pod run the image read-only; what serve writes is in memory of its own: each Python model's
+    configs/ (the sized counts), ~/.cache (records, logs, the local runtime's copy), ~/.config (a generated admin key)
+    and /tmp (private folders, MPS pipes). `docker compose up` in CI runs with it."""
+    path, _ = project
+    (workdir,) = re.findall(r"^WORKDIR (\S+)$", (path / "Dockerfile").read_text(), re.M)
+    configs = sorted(path.glob("model_repository/*/config.pbtxt"))
+    python = [c.parent.name for c in configs if re.search(r'^backend: "python"', c.read_text(), re.M)]
+    assert len(python) >= 4, python
+    written = {"/tmp", "/home/triton-server/.cache", "/home/triton-server/.config"}
+    written |= {f"{workdir}/model_repository/{model}/configs" for model in python}
+    triton = compose(path)["services"]["triton"]
+    assert triton["read_only"] is True and set(triton["tmpfs"]) == written
+    container = triton_container(k8s["base"], path)
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {m["mountPath"] for m in container["volumeMounts"] if m["name"] == "writable"} == written
+    (volume,) = [v for v in pod_spec(k8s["base"], path)["volumes"] if v["name"] == "writable"]
+    assert "emptyDir" in volume
+
+
 def test_the_budget_and_counts_set_for_compose_reach_serve_in_the_container(project, tmp_path):
     """docs/deployment.md lists TRITON_GPU_MEMORY and TRITON_INSTANCES among compose's settings: set for `docker
     compose up`, they reach the container, where `serve` reads them; unset, they are empty, which serve takes as

@@ -157,6 +157,9 @@ class Instance:
         of the batch (`serve`) shortens `timeout_us`.
         """
         self.bind()
+        # The guard gives the call up past the model's own BLS timeout (plus 5 s), never a client's shorter one: that
+        # bounds only the wait in the stage's queue, and a busy stage may run longer than it (overload, not death).
+        deadline_s = timeout_us / 1e6 + 5 if timeout_us else None
         if self.request_timeout_us:  # a client's deadline: the call carries it to the stage's queue
             timeout_us = min(timeout_us or self.request_timeout_us, self.request_timeout_us)
         if model_name not in self.called:  # the first call to this model: is it in BLS_CALLS?
@@ -172,7 +175,6 @@ class Instance:
             timeout=timeout_us,
             **({"trace": self.trace} if self.trace is not None else {}),
         )
-        deadline_s = timeout_us / 1e6 + 5 if timeout_us else None
         with self.guard.watching(model_name, deadline_s):  # a stage whose stub died may never answer (2.51, a GPU)
             response = request.exec()
         if response.has_error():
