@@ -754,7 +754,7 @@ def test_k8s_pod_runs_as_the_image_user_without_privileges(project, k8s):
         assert pod["runAsNonRoot"] is True and pod["runAsUser"] == uid, overlay
         assert pod["seccompProfile"] == {"type": "RuntimeDefault"}
         container = triton_container(docs, path)["securityContext"]
-        assert container == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        assert container == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
         assert pod_spec(docs, path)["automountServiceAccountToken"] is False
 
 
@@ -858,12 +858,15 @@ def test_the_root_filesystem_is_read_only_but_for_what_serve_writes(project, k8s
     written = {"/tmp", "/home/triton-server/.cache", "/home/triton-server/.config"}
     written |= {f"{workdir}/model_repository/{model}/configs" for model in python}
     triton = compose(path)["services"]["triton"]
-    assert triton["read_only"] is True and set(triton["tmpfs"]) == written
+    assert triton["read_only"] is True and {entry.split(":")[0] for entry in triton["tmpfs"]} == written
+    for entry in triton["tmpfs"]:  # writable by the server user (a tmpfs is root's 0755 unless told otherwise)
+        path_, options = entry.split(":")
+        assert options == "mode=1777" if path_ == "/tmp" else "uid=1000,gid=1000" in options, entry
     container = triton_container(k8s["base"], path)
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    assert {m["mountPath"] for m in container["volumeMounts"] if m["name"] == "writable"} == written
-    (volume,) = [v for v in pod_spec(k8s["base"], path)["volumes"] if v["name"] == "writable"]
-    assert "emptyDir" in volume
+    empty = {v["name"] for v in pod_spec(k8s["base"], path)["volumes"] if "emptyDir" in v} - {"dshm"}
+    mounts = [m for m in container["volumeMounts"] if m["name"] in empty]
+    assert {m["mountPath"] for m in mounts} == written and not any("subPath" in m for m in mounts)  # 0777 each
 
 
 def test_the_budget_and_counts_set_for_compose_reach_serve_in_the_container(project, tmp_path):
