@@ -52,8 +52,9 @@ if [[ -f ../bin/ruff.xz ]]; then  # gpu_bake.sh: ruff, for the recipes' lint che
 fi
 image-classifier weights random >/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-# The compiled ResNet (compiled.py): each fresh machine compiles it once for the suite's weights (max-autotune: about
-# 5 min of the part's time; SUITE_COMPILE=default compiles faster, =off tests eager), then every test server loads it.
+# The compiled ResNet (compiled.py): each fresh machine compiles it once for the suite's weights into its cache
+# (torch.compile, `default`: about 20 s a batch size; SUITE_COMPILE=off tests eager), then every test server's resnet
+# instances compile from that cache.
 if [[ -n ${SUITE_COMPILE:-} ]]; then
   python -c "from image_classifier.model_repository import set_parameter as s; s('model_repository', 'resnet', 'compile', '$SUITE_COMPILE')"
 fi
