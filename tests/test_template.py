@@ -34,6 +34,7 @@ benchmarks/_common.py
 benchmarks/budgets.py
 benchmarks/e2e.py
 benchmarks/hop.py
+benchmarks/overload.py
 benchmarks/hop_models/hop_driver/1/model.py
 benchmarks/hop_models/hop_driver/config.pbtxt
 benchmarks/hop_models/hop_sink/1/model.py
@@ -83,6 +84,7 @@ scripts/compose_e2e.sh
 scripts/demo.py
 src/image_classifier/__init__.py
 src/image_classifier/admin_key.py
+src/image_classifier/batches.py
 src/image_classifier/cli.py
 src/image_classifier/client.py
 src/image_classifier/compiled.py
@@ -95,6 +97,7 @@ src/image_classifier/model_repository.py
 src/image_classifier/paths.py
 src/image_classifier/mps.py
 src/image_classifier/python_backend.py
+src/image_classifier/resnet.py
 src/image_classifier/restarts.py
 src/image_classifier/rules.py
 src/image_classifier/runtime.py
