@@ -149,14 +149,14 @@ class Batch:
     def each(self, check) -> Batch:
         """`check(rows)` on each request still served, alone (a gate: docs/customizing.md, recipe 2); a request
         whose check raises answers with that exception, the others go on (joined again only if one dropped out)."""
-        parts, dropped = _parts(self.data, self.sizes), False
-        for i, part in enumerate(parts):
+        errors = {}
+        for i, part in enumerate(_parts(self.data, self.sizes)):
             if not isinstance(part, Exception):
                 try:
                     check(part)
                 except Exception as exc:
-                    parts[i], dropped = exc, True
-        return Batch.of(parts) if dropped else self
+                    errors[i] = exc
+        return self.drop(errors)
 
     def drop(self, errors: dict[int, Exception]) -> Batch:
         """Request i of `errors` answers with errors[i] and goes no further; the others go on (joined again)."""

@@ -142,14 +142,15 @@ def use_cache(path: Path) -> None:
     os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
 
 
-def compile_model(target: Target, device: torch.device) -> torch.nn.Module:
-    """The model with batch norm folded into its convolutions, compiled by torch.compile from the key's cache: it
-    compiles (or finds in the cache) each batch size at its first call, one graph per size (`dynamic=False`)."""
+def compile_model(target: Target, device: torch.device, path: Path) -> torch.nn.Module:
+    """The model with batch norm folded into its convolutions, compiled by torch.compile from the cache in `path`
+    (the key's folder, `target.path`): it compiles (or finds in the cache) each batch size at its first call, one
+    graph per size (`dynamic=False`)."""
     from torch.fx.experimental.optimization import fuse
 
     from .resnet import batch_buckets, build_resnet
 
-    use_cache(target.path(device))
+    use_cache(path)
     sizes = len(batch_buckets(target.max_batch_size))
     for limit in ("recompile_limit", "cache_size_limit"):  # one compiled graph per batch size, never eager beyond 8
         if hasattr(torch._dynamo.config, limit):
@@ -196,7 +197,8 @@ def warm(target: Target, device: torch.device, force: bool = False) -> Path:
         failed.write_text("the compiler died (a crash or a kill) during an earlier compile\n")
         started = time.monotonic()
         try:
-            stage = Classifier(*_stage(target, device), compiled=compile_model(target, device), **_options(target))
+            model = compile_model(target, device, path)
+            stage = Classifier(*_stage(target, device), compiled=model, **_options(target))
             for size in stage.buckets:  # on a CPU nothing is captured: each size compiles at its first call
                 stage(torch.zeros(size, 3, target.image_size, target.image_size, dtype=stage.dtype, device=device))
             compiled_s = time.monotonic() - started
@@ -360,7 +362,7 @@ def load(target: Target, device: torch.device):
         reason = failure(path) or f"not compiled for these weights on this GPU yet ({path.name})"
         return None, f"eager, not compiled: {reason}; `serve` compiles it at start, `compile --force` tries again"
     try:
-        return compile_model(target, device), f"compiled ({target.mode}), cached in {path}"
+        return compile_model(target, device, path), f"compiled ({target.mode}), cached in {path}"
     except Exception as exc:  # weights that no longer build the model
         why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if str(exc) else type(exc).__name__
         return None, f"eager, not compiled: {why}"

@@ -193,7 +193,8 @@ class Instance:
         with self.guard.lock:
             if self.guard.answered or self.guard.requests is None:
                 return batch
-            gone = [i for i, request in enumerate(self.guard.requests) if request.is_cancelled()]
+            served = [i for i, size in enumerate(batch.sizes) if not isinstance(size, Exception)]  # the rest: answered
+            gone = [i for i in served if self.guard.requests[i].is_cancelled()]
         return batch.drop({i: Cancelled(f"cancelled by the client; stopped before {before}") for i in gone})
 
     def serve(self, execute, requests: list) -> list | None:
