@@ -3,7 +3,9 @@ cache `compile` fills (compiled.py), one process each, on the bake's weights. Ru
 
     python ../../docs/benchmarks/probes/compile-probe.py OUT [STEP ...]
 
-STEP: eager-fp16, graph-fp16, compile-default-fp16, compiled-default-fp16, ... (default: all, in order).
+STEP: eager-fp16, graph-fp16, compile-default-fp16, compiled-default-fp16, ... (default: all, in order);
+model-default-fp32 (or -fp16, -bf16): the model alone, torch.compile'd at batch 128 only and captured as a CUDA graph,
+its scores against fp32 eager's (the precision a user picks: what each costs and how far it strays).
 Each bench runs the stage's own Classifier (padding to buckets, the copy in and the clone out) at batch 128 and at
 batch 1, writes its logits on a fixed batch, and compares them with eager's of the same precision.
 Writes OUT/compile-probe.json (one row per step) as it goes.
@@ -86,10 +88,66 @@ def bench(out: Path, mode: str, dtype_name: str) -> dict:
     return row
 
 
+def model_bench(out: Path, mode: str, dtype_name: str) -> dict:
+    """One precision, compiled as the stage compiles it, batch 128 only: images/s and its scores against fp32."""
+    import tempfile
+
+    import torch
+
+    from image_classifier import compiled
+
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    target = compiled.Target("resnet50", WEIGHTS, dtype, 128, 1000, mode)
+    started = time.monotonic()
+    model = compiled.compile_model(target, device, Path(tempfile.mkdtemp(prefix=f"probe-{dtype_name}-")))
+    x = torch.randn(128, 3, 224, 224, device=device).to(dtype).contiguous(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        for _ in range(3):
+            model(x)
+        compile_s = time.monotonic() - started
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            model(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = model(x)
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(50):
+            graph.replay()
+        torch.cuda.synchronize()
+        row = {"compile_s": round(compile_s, 1), "images_per_s_b128": round(128 * 50 / (time.perf_counter() - t))}
+        g = torch.Generator(device="cpu").manual_seed(0)
+        fixed = torch.randn(128, 3, 224, 224, generator=g)
+        x.copy_(fixed.to(device, dtype))
+        graph.replay()
+        logits = y.float().cpu()
+    ref = out / "logits-model-fp32-eager.pt"
+    if not ref.is_file():
+        from image_classifier.resnet import build_resnet
+
+        eager = build_resnet("resnet50", WEIGHTS, 1000).to(device).eval()
+        with torch.inference_mode():
+            torch.save(eager(fixed.to(device)).float().cpu(), ref)
+    want = torch.load(ref)
+    row["max_softmax_diff_vs_fp32_eager"] = float((logits.softmax(1) - want.softmax(1)).abs().max())
+    row["top1_equal_vs_fp32_eager"] = float((logits.argmax(1) == want.argmax(1)).float().mean())
+    row["max_abs_logit_diff_vs_fp32_eager"] = float((logits - want).abs().max())
+    row["gpu_mib"] = gpu_mib(os.getpid())
+    return row
+
+
 def main() -> int:
     if sys.argv[1] == "--bench":
         out, mode, dtype_name = Path(sys.argv[2]), sys.argv[3], sys.argv[4]
-        print("ROW " + json.dumps(bench(out, mode, dtype_name)), flush=True)
+        run = model_bench if mode.startswith("model-") else bench
+        print("ROW " + json.dumps(run(out, mode.removeprefix("model-"), dtype_name)), flush=True)
         return 0
     out = Path(sys.argv[1]).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -116,7 +174,7 @@ def main() -> int:
                 row |= {"cache_mib": round(sum(f.stat().st_size for f in files) / 2**20, 1),
                         "fields": json.loads(readies[-1].read_text())}
         else:
-            mode = f"{kind}-{mode}" if kind == "compiled" else kind
+            mode = f"{kind}-{mode}" if kind in ("compiled", "model") else kind
             done = subprocess.run([sys.executable, __file__, "--bench", str(out), mode, dtype_name],
                                   capture_output=True, text=True, timeout=300)
             lines = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
