@@ -16,7 +16,7 @@ load) and one of the version being replaced (in its finalize); the next reload b
 Every request must end: answered, or failed with an error (a killed stub fails what it held, naming the
 pipeline); one that gets no answer within `--request-timeout` is lost. An abort is the server process gone: it is
 counted, its log's last lines kept, and the server started again. Last, a stop while a reload is in flight must
-end, with no stub and no /dev/shm region left. Writes reload_stress.json and .md; exit status 1 if a count is
+end, with no stub and no /dev/shm region left. Writes reload_stress.json, .md and .png; exit status 1 if a count is
 not zero.
 """
 
