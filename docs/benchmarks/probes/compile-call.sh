@@ -4,7 +4,8 @@
 #   1. `image-classifier compile` as serve runs it (the config's mode, default), cold, then again (cached), timed;
 #   2. compile-probe.py: the stage's ceiling outside Triton: eager, CUDA graphs, compiled from the cache;
 #   3. benchmarks.e2e: the pipeline and the ensemble through Triton, compiled and eager, one server after the other;
-#   4. compile-probe.py's precision steps (PROBE_LATE: the model alone, compiled, fp32/bf16/fp16), with the time left;
+#   4. compile-probe.py's late steps (PROBE_LATE: the model alone, compiled with a dynamic batch cold and warm, then
+#      at batch 128 in fp32/bf16/fp16), with the time left;
 #   5. the GPU tests of the compiled path (PYTEST_K; empty: none), with the time left.
 # Everything goes to OUT (logs, compile-probe.json, e2e.json/.md, suite JUnit XML).
 set -uo pipefail
@@ -28,10 +29,10 @@ du -sh /tmp/compiled/* 2>/dev/null
 echo "=== probe ($(left) s left)"
 timeout "$(left 100)" python "$probe" "$out/probe" ${PROBE_STEPS:-eager-fp16 graph-fp16 compiled-default-fp16} 2>&1 | cut -c1-500
 echo "=== e2e ($(left) s left)"
-timeout "$(left 130)" python -m benchmarks.e2e --compile default off --points ${E2E_POINTS:-1x1 1x8 16x128} \
+timeout "$(left 170)" python -m benchmarks.e2e --compile default off --points ${E2E_POINTS:-1x1 1x8 16x128} \
   --seconds "${E2E_SECONDS:-3}" --out "$out/e2e" 2>&1 | grep -v "^  " | tail -n 30
 echo "=== precision ($(left) s left)"
-timeout "$(left 20)" python "$probe" "$out/probe" ${PROBE_LATE-model-default-fp32 model-default-bf16 model-default-fp16} 2>&1 | cut -c1-500
+timeout "$(left 20)" python "$probe" "$out/probe" ${PROBE_LATE-model-dynamic-fp16 model-dynamic-fp16 model-default-fp32 model-default-bf16 model-default-fp16} 2>&1 | cut -c1-500
 echo "=== pytest ($(left) s left)"
 [[ -n ${PYTEST_K-x} ]] && timeout -s INT "$(left)" python -m pytest -p no:cacheprovider -q -rs tests/test_gpu.py \
   -k "${PYTEST_K-compiled_once or in_process_reference or kind_gpu}" --junitxml="$out/suite-compiled.xml" 2>&1 | tail -n 15

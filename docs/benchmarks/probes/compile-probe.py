@@ -4,7 +4,8 @@ cache `compile` fills (compiled.py), one process each, on the bake's weights. Ru
     python ../../docs/benchmarks/probes/compile-probe.py OUT [STEP ...]
 
 STEP: eager-fp16, graph-fp16, compile-default-fp16, compiled-default-fp16, ... (default: all, in order);
-model-default-fp32 (or -fp16, -bf16): the model alone, torch.compile'd at batch 128 only and captured as a CUDA graph,
+model-default-fp32 (or -fp16, -bf16; model-dynamic-fp16: one graph for all batch sizes but 1, each size's first
+call timed, twice for a cold and a warm cache): the model alone, torch.compile'd at batch 128 only and captured as a CUDA graph,
 its scores against fp32 eager's (the precision a user picks: what each costs and how far it strays).
 Each bench runs the stage's own Classifier (padding to buckets, the copy in and the clone out) at batch 128 and at
 batch 1, writes its logits on a fixed batch, and compares them with eager's of the same precision.
@@ -99,13 +100,21 @@ def model_bench(out: Path, mode: str, dtype_name: str) -> dict:
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    target = compiled.Target("resnet50", WEIGHTS, dtype, 128, 1000, mode)
+    dynamic = mode == "dynamic"  # one graph for batch 1 and one for every other size (a symbolic batch)
+    target = compiled.Target("resnet50", WEIGHTS, dtype, 128, 1000, "default")
     started = time.monotonic()
-    model = compiled.compile_model(target, device, Path(tempfile.mkdtemp(prefix=f"probe-{dtype_name}-")))
+    cache = out / f"cache-{mode}-{dtype_name}" if dynamic else Path(tempfile.mkdtemp(prefix=f"probe-{dtype_name}-"))
+    model = compiled.compile_model(target, device, cache)
+    row = {"warm": dynamic and cache.is_dir() and any(cache.rglob("*"))}
+    if dynamic:
+        model = torch.compile(model._orig_mod, mode="default", dynamic=True)
     x = torch.randn(128, 3, 224, 224, device=device).to(dtype).contiguous(memory_format=torch.channels_last)
     with torch.inference_mode():
-        for _ in range(3):
-            model(x)
+        for size in (1, 2, 4, 8, 16, 32, 64, 128) if dynamic else (128, 128, 128):
+            t = time.monotonic()
+            model(x[:size])
+            torch.cuda.synchronize()
+            row[f"first_b{size}_s"] = round(time.monotonic() - t, 2)
         compile_s = time.monotonic() - started
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -122,7 +131,7 @@ def model_bench(out: Path, mode: str, dtype_name: str) -> dict:
         for _ in range(50):
             graph.replay()
         torch.cuda.synchronize()
-        row = {"compile_s": round(compile_s, 1), "images_per_s_b128": round(128 * 50 / (time.perf_counter() - t))}
+        row |= {"compile_s": round(compile_s, 1), "images_per_s_b128": round(128 * 50 / (time.perf_counter() - t))}
         g = torch.Generator(device="cpu").manual_seed(0)
         fixed = torch.randn(128, 3, 224, 224, generator=g)
         x.copy_(fixed.to(device, dtype))
