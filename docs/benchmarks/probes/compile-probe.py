@@ -106,15 +106,20 @@ def model_bench(out: Path, mode: str, dtype_name: str) -> dict:
     cache = out / f"cache-{mode}-{dtype_name}" if dynamic else Path(tempfile.mkdtemp(prefix=f"probe-{dtype_name}-"))
     model = compiled.compile_model(target, device, cache)
     row = {"warm": dynamic and cache.is_dir() and any(cache.rglob("*"))}
-    if dynamic:
-        model = torch.compile(model._orig_mod, mode="default", dynamic=True)
-    x = torch.randn(128, 3, 224, 224, device=device).to(dtype).contiguous(memory_format=torch.channels_last)
+    if dynamic:  # the batch dimension only (on a CPU: graphs for 1, 2-15 and 16 up)
+        model = torch.compile(model._orig_mod, mode="default")
     with torch.inference_mode():
+        x = torch.randn(128, 3, 224, 224, device=device).to(dtype).contiguous(memory_format=torch.channels_last)
         for size in (1, 2, 4, 8, 16, 32, 64, 128) if dynamic else (128, 128, 128):
+            batch = torch.randn(size, 3, 224, 224, device=device).to(dtype).contiguous(memory_format=torch.channels_last)
+            if dynamic:
+                torch._dynamo.maybe_mark_dynamic(batch, 0)
             t = time.monotonic()
-            model(x[:size])
+            model(batch)
             torch.cuda.synchronize()
             row[f"first_b{size}_s"] = round(time.monotonic() - t, 2)
+        if dynamic:
+            torch._dynamo.maybe_mark_dynamic(x, 0)
         compile_s = time.monotonic() - started
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -149,6 +154,10 @@ def model_bench(out: Path, mode: str, dtype_name: str) -> dict:
     row["top1_equal_vs_fp32_eager"] = float((logits.argmax(1) == want.argmax(1)).float().mean())
     row["max_abs_logit_diff_vs_fp32_eager"] = float((logits - want).abs().max())
     row["gpu_mib"] = gpu_mib(os.getpid())
+    from torch._dynamo.utils import counters
+
+    row["graphs"] = counters["stats"].get("unique_graphs")
+    row["fxgraph_cache"] = {k: v for k, v in counters["inductor"].items() if "fxgraph" in k}
     return row
 
 
