@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .gpu-bake
-.venv/bin/cookiecutter --no-input -o .gpu-bake . precision=fp16 "$@"
+.venv/bin/cookiecutter --no-input -o .gpu-bake . "$@"  # the default precision (fp16)
 # ruff for the customizing recipes' lint checks (the device has no package index; the bundle has no ruff): its
 # binary alone, xz-compressed (7 MB instead of the wheel's 11), so that bundle, bake and tree stay within the
 # device's 64 MiB carry; gpu_suite.sh unpacks it.

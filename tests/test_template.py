@@ -182,7 +182,7 @@ def test_every_config_is_a_valid_model_config_with_the_answers(baker, answers):
     project = baker(**answers)
     context = json.loads((Path(__file__).parents[1] / "cookiecutter.json").read_text()) | answers
     batch, top_k = int(context["max_batch_size"]), int(context["top_k"])
-    precision = answers.get("precision", "fp32")
+    precision = answers.get("precision", context["precision"][0])  # a choice defaults to its first
     models = sorted(p.name for p in (project / "model_repository").iterdir())
     for model in models:
         config = model_config(project, model)
