@@ -4,9 +4,9 @@ cache `compile` fills (compiled.py), one process each, on the bake's weights. Ru
     python ../../docs/benchmarks/probes/compile-probe.py OUT [STEP ...]
 
 STEP: eager-fp16, graph-fp16, compile-default-fp16, compiled-default-fp16, ... (default: all, in order);
-model-default-fp32 (or -fp16, -bf16; model-dynamic-fp16: one graph for all batch sizes but 1, each size's first
-call timed, twice for a cold and a warm cache): the model alone, torch.compile'd at batch 128 only and captured as a CUDA graph,
-its scores against fp32 eager's (the precision a user picks: what each costs and how far it strays).
+model-default-fp32 (or -fp16, -bf16): the model alone, torch.compile'd at batch 128 only and captured as a CUDA
+graph, its scores against fp32 eager's (the precision a user picks: what each costs and how far it strays);
+model-dynamic-fp16: one graph for every batch size but 1, each size's first call timed (run it twice: cold, warm).
 Each bench runs the stage's own Classifier (padding to buckets, the copy in and the clone out) at batch 128 and at
 batch 1, writes its logits on a fixed batch, and compares them with eager's of the same precision.
 Writes OUT/compile-probe.json (one row per step) as it goes.
@@ -44,7 +44,7 @@ def bench(out: Path, mode: str, dtype_name: str) -> dict:
     from image_classifier import compiled
     from image_classifier.stages import Classifier
 
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
+    dtype = {name: dtype for dtype, name in compiled.DTYPE_NAMES.items()}[dtype_name]
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     started = time.monotonic()
@@ -97,16 +97,16 @@ def model_bench(out: Path, mode: str, dtype_name: str) -> dict:
 
     from image_classifier import compiled
 
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
+    dtype = {name: dtype for dtype, name in compiled.DTYPE_NAMES.items()}[dtype_name]
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dynamic = mode == "dynamic"  # one graph for batch 1 and one for every other size (a symbolic batch)
     target = compiled.Target("resnet50", WEIGHTS, dtype, 128, 1000, "default")
     started = time.monotonic()
     cache = out / f"cache-{mode}-{dtype_name}" if dynamic else Path(tempfile.mkdtemp(prefix=f"probe-{dtype_name}-"))
+    row = {"warm": dynamic and cache.is_dir() and any(cache.rglob("*"))}  # before anything compiles into it
     model = compiled.compile_model(target, device, cache)
-    row = {"warm": dynamic and cache.is_dir() and any(cache.rglob("*"))}
-    if dynamic:  # the batch dimension only (on a CPU: graphs for 1, 2-15 and 16 up)
+    if dynamic:  # the batch dimension only (on the H100: 2 graphs, batch 1 and the rest; on a CPU also 16 up)
         model = torch.compile(model._orig_mod, mode="default")
     with torch.inference_mode():
         x = torch.randn(128, 3, 224, 224, device=device).to(dtype).contiguous(memory_format=torch.channels_last)
