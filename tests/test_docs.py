@@ -300,6 +300,13 @@ def server_flag_problems(project: Path) -> list[str]:
     return problems
 
 
+def doc_texts(project: Path, root_readme: str) -> dict[str, str]:
+    """{name: text} of every generated markdown file and of the template's README.md."""
+    docs = {str(p.relative_to(project)): p.read_text() for p in generated_markdown(project)}
+    docs["the template's README.md"] = root_readme
+    return docs
+
+
 def base_image_problems(project: Path, root_readme: str) -> list[str]:
     dockerfile = (project / "Dockerfile").read_text()
     ngc = (project / "docker" / "ngc.Dockerfile").read_text()
@@ -310,8 +317,7 @@ def base_image_problems(project: Path, root_readme: str) -> list[str]:
         problems.append("Dockerfile's runtime stage is no longer FROM ${BASE_IMAGE}")
     if not re.search(r"^FROM \$\{NGC_IMAGE\} AS ngc$", ngc, re.MULTILINE):
         problems.append("docker/ngc.Dockerfile's stage is no longer FROM ${NGC_IMAGE}")
-    docs = {str(p.relative_to(project)): p.read_text() for p in generated_markdown(project)}
-    docs["the template's README.md"] = root_readme
+    docs = doc_texts(project, root_readme)
     for name in ("README.md", "the template's README.md"):
         if f"FROM {base}" not in docs[name]:
             problems.append(f"{name} does not say the Dockerfile is FROM {base}")
@@ -433,8 +439,7 @@ def environment_problems(project: Path, root_readme: str) -> list[str]:
     pattern = env_variable_pattern(project)
     sources = environment_sources(project)
     known = {name for text in sources.values() for name in pattern.findall(text)}
-    docs = {str(p.relative_to(project)): p.read_text() for p in generated_markdown(project)}
-    docs["the template's README.md"] = root_readme
+    docs = doc_texts(project, root_readme)
     problems = [
         f"{name}: names {variable}, which no code, compose file, manifest or Dockerfile reads or sets"
         for name, text in docs.items()
@@ -518,8 +523,7 @@ def restart_problems(project: Path, root_readme: str) -> list[str]:
             f"serving.py announces a restart in {len(announced)} f-strings `tritonserver {{why}}: starting it again`"
         ]
     announced = announced[0]
-    docs = {str(p.relative_to(project)): flat(p.read_text()) for p in generated_markdown(project)}
-    docs["the template's README.md"] = flat(root_readme)
+    docs = {name: flat(text) for name, text in doc_texts(project, root_readme).items()}
     problems, stated = [], 0
     for name, text in docs.items():
         claims = [(int(n), int(m)) for n, m in re.findall(r"(\d+) restarts (?:with)?in (\d+) minutes", text)]
