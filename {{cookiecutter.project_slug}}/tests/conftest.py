@@ -88,16 +88,13 @@ def infer(url: str, inputs: list, model: str = "pipeline") -> grpcclient.InferRe
 
 def metrics(server) -> dict[tuple[str, str], float]:
     """{(metric, model): value} of the server's Prometheus metrics that carry a model label and no other but its
-    version: the project's own counters (python_backend.Counters, named without their package prefix and `_total`)
-    and Triton's nv_inference_* ones."""
+    version: the project's own counters and gauge (counters.Counters, named without their package prefix and
+    `_total`) and Triton's nv_inference_* ones."""
     url = f"http://localhost:{server.settings.metrics_port}/metrics"
     text = urllib.request.urlopen(url, timeout=30).read().decode()
     found = re.findall(r'^(\w+)\{model="(\w+)"(?:,version="\d+")?\} (\S+)$', text, re.M)
-    prefix = "{{ cookiecutter.package_name }}_"
-    return {
-        (name[len(prefix) : -len("_total")] if name.startswith(prefix) else name, model): float(value)
-        for name, model, value in found
-    }
+    own = re.compile(r"{{ cookiecutter.package_name }}_(\w+?)(?:_total)?")
+    return {((m[1] if (m := own.fullmatch(name)) else name), model): float(value) for name, model, value in found}
 
 
 def assert_same_answers(a: dict, b: dict, repository: Path, atol: float = 1e-5) -> None:

@@ -1,6 +1,7 @@
 """The bad day, against a real tritonserver over gRPC: bad input, load, leaks, overload, hot reload,
 admin keys, dead stubs and graceful shutdown. Every loop is bounded in count and time; loopback only."""
 
+import collections
 import contextlib
 import io
 import json
@@ -39,6 +40,7 @@ from {{ cookiecutter.package_name }}.model_repository import (
     bls_callers,
     load_config,
     loaded_versions,
+    python_models,
     set_instance_counts,
     set_parameter,
 )
@@ -599,6 +601,7 @@ def test_dead_stubs_fail_their_requests_and_the_watchdog_heals_each_model(model_
         except InferenceServerException as exc:
             return exc.message(), time.monotonic() - started
 
+    reloads = collections.Counter()  # each model's reloads, as the watchdog logged them
     watchdog.start()
     try:
         for model in ("resnet", "preprocess", "pipeline"):
@@ -622,6 +625,9 @@ def test_dead_stubs_fail_their_requests_and_the_watchdog_heals_each_model(model_
             callers = re.compile(rf"watchdog: reloaded {', '.join(bls_callers([model]))} \(calling")
             while bls_callers([model]) and not any(map(callers.match, logs)) and time.monotonic() - killed < 150:
                 time.sleep(0.5)
+            for line in logs:
+                if done := re.match(r"watchdog: reloaded ((?:\w+, )*\w+)", line):
+                    reloads.update(done[1].split(", "))
             print(f"\n{model} stub killed: {[(o[:90], round(t, 1)) for o, t in outcomes]}")
             print(f"{model}: served again {healed:.1f} s after the kill; {logs}")
             with server_log.open() as log:  # where the reload's time went: the loads, as the server logged them
@@ -644,6 +650,10 @@ def test_dead_stubs_fail_their_requests_and_the_watchdog_heals_each_model(model_
         wait_for_configured_stubs(own_server, REPLACED_GRACE_S + 30, poll_s=1)
         print(f"stubs per model at the end: {stub_counts(own_server)}; {[line for line in logs if 'ended' in line]}")
         assert stub_counts(own_server) == configured_counts(own_server)
+        # each Python model publishes how often the watchdog reloaded it, its series outliving the replaced stubs
+        published = {model: n for (name, model), n in metrics(own_server).items() if name == "watchdog_reloads"}
+        print(f"watchdog reloads: logged {dict(reloads)}, published {published}")
+        assert published == {model: float(reloads[model]) for model in python_models(model_repository)}
     finally:
         watchdog.stop()
         started = time.monotonic()

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
+from .model_repository import RELOADS_PARAMETER
+
 
 class Counters:
     """The project's own counters in Triton's metrics (pb_utils.MetricFamily), beside its nv_inference_* ones, one
     series per model: `{{ cookiecutter.package_name }}_invalid_requests_total` (requests answered INVALID_ARGUMENT: a
     bad image, or a request over a cap), `..._host_decoded_images_total` (images over the GPU's decode budget,
-    decoded on the host) and `..._given_up_requests_total` (requests the guard answered after a stage's stub died).
-    Counted only on those events (each a message to the server); one per stub process (`COUNTERS`)."""
+    decoded on the host), `..._given_up_requests_total` (requests the guard answered after a stage's stub died) and
+    `..._cancelled_requests_total`. Counted only on those events (each a message to the server); one per stub
+    process (`COUNTERS`). Beside them a gauge, `..._watchdog_reloads`: how often `serve`'s watchdog has reloaded the
+    model since it was loaded from the repository (a stub of it, or of a model it calls, died), which each new stub
+    reads from its config (health.restart counts there) and sets."""
 
     HELP = {
         "invalid_requests": "Requests answered INVALID_ARGUMENT: a bad image, or a request over a cap",
@@ -23,8 +28,9 @@ class Counters:
         self.families: list = []
         self.metrics: dict = {}
 
-    def setup(self, model: str) -> None:
-        """This stub's series, labelled with its model (once; a server without metrics has none)."""
+    def setup(self, model: str, parameters: dict[str, str]) -> None:
+        """This stub's series, labelled with its model (once; a server without metrics has none), and the watchdog's
+        reloads of the model as its config's `parameters` count them."""
         if self.metrics:
             return
         try:
@@ -34,6 +40,15 @@ class Counters:
                 )
                 self.families.append(family)  # a family dropped would take its series with it
                 self.metrics[name] = family.Metric(labels={"model": model})
+            family = pb_utils.MetricFamily(
+                name="{{ cookiecutter.package_name }}_watchdog_reloads",
+                description="Reloads of this model by serve's watchdog (a stub of it, or of a model it calls, died) "
+                "since it was loaded from the repository",
+                kind=pb_utils.MetricFamily.GAUGE,
+            )
+            self.families.append(family)
+            self.metrics["watchdog_reloads"] = family.Metric(labels={"model": model})
+            self.metrics["watchdog_reloads"].set(float(parameters.get(RELOADS_PARAMETER, 0)))
         except Exception as exc:  # metrics off (--allow-metrics=false): nothing to count into
             pb_utils.Logger.log_warn(f"no {{ cookiecutter.package_name }} counters: {exc}")
             self.metrics = {}

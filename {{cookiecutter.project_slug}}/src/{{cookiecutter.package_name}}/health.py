@@ -32,7 +32,7 @@ import tritonclient.grpc as grpcclient
 from PIL import Image
 
 from . import stub_deaths
-from .model_repository import BLS_CALLS, bls_callers
+from .model_repository import BLS_CALLS, RELOADS_PARAMETER, bls_callers
 from .rules import OVERLOAD_MESSAGES
 from .shm import remove_stale_regions
 
@@ -123,9 +123,13 @@ def busy(error: str) -> bool:
 def restart(client: grpcclient.InferenceServerClient, model: str, admin_headers: dict[str, str]) -> None:
     """Reload `model` with new stubs. A plain load of an unchanged model is a no-op, and an unload would take
     its dependents (the ensemble) down with it; a config override with a fresh token forces a real reload
-    while the dependents stay loaded."""
+    while the dependents stay loaded. The override also counts the reloads (`watchdog_reloads`, one more than
+    the config loaded now has), which the new stubs publish in the metrics (counters.Counters)."""
     config = client.get_model_config(model, as_json=True)["config"]
-    config.setdefault("parameters", {})["restart_token"] = {"string_value": uuid.uuid4().hex}
+    parameters = config.setdefault("parameters", {})
+    parameters["restart_token"] = {"string_value": uuid.uuid4().hex}
+    reloads = int(parameters.get(RELOADS_PARAMETER, {}).get("string_value", "0"))  # 0: loaded from the repository
+    parameters[RELOADS_PARAMETER] = {"string_value": str(reloads + 1)}
     client.load_model(model, config=json.dumps(config), headers=admin_headers)
 
 

@@ -36,6 +36,11 @@ def bls_callers(models: list[str]) -> list[str]:
     return sorted({c for c, called in BLS_CALLS.items() for m in models if m in called} - set(models))
 
 
+# The parameter through which the watchdog's reload (health.restart) tells a model's new stubs how often it has reloaded
+# that model (counters.Counters publishes it): absent from the repository's configs.
+RELOADS_PARAMETER = "watchdog_reloads"
+
+
 def undeclared_call(caller: str, called: str) -> str | None:
     """What is wrong when the BLS model `caller` calls `called` and BLS_CALLS does not say so (None when it does)."""
     if called in BLS_CALLS.get(caller, ()):

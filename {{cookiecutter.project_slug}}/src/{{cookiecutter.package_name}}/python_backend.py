@@ -98,7 +98,7 @@ class Instance:
         self.guard = Guard()  # answers the requests of an execute whose BLS call will never return
         self.trace = None  # the trace of the batch being served (serve), its BLS calls its children
         self.request_timeout_us = 0
-        COUNTERS.setup(self.name)
+        COUNTERS.setup(self.name, self.parameters)
 
     def preprocess(self, parameters: dict[str, str] | None = None, dtype: torch.dtype | None = None) -> Preprocess:
         """The preprocess stage on this instance's device, as these parameters and PIXELS dtype set it up (resize,
