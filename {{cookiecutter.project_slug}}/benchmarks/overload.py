@@ -13,7 +13,8 @@ level) runs once a second.
 Reported per entry point: requests sent, answered, rejected per status code, late (no answer within the deadline
 plus 2 s: the client gave up), cancelled; p50 and p99 of the answered ones; whether every rejection was UNAVAILABLE,
 the probe passed throughout (an answer, or "busy"), and p99 stayed within the deadline plus 1 s with none late; and
-the pipeline's `cancelled_requests` counter (requests it stopped before a stage).
+the pipeline's `cancelled_requests` and `expired_requests` counters (requests it stopped before a stage: cancelled by
+their client, or past their deadline).
 Writes overload.json, overload.md and overload.png. Exit status 1 when one of those three checks fails.
 """
 
@@ -62,10 +63,11 @@ def capacity(url: str, model: str, jpegs: list[bytes], concurrency: int, seconds
     return sum(done) / (time.monotonic() - started)
 
 
-def cancelled_counter(metrics_port: int, model: str) -> float:
+def stopped_counter(metrics_port: int, model: str) -> float:
+    """The requests `model` stopped before a stage: cancelled by their client, or past their deadline."""
     text = urllib.request.urlopen(f"http://localhost:{metrics_port}/metrics", timeout=30).read().decode()
-    found = re.search(r"^\w+_cancelled_requests_total\{model=\"" + model + r"\"\} (\S+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
+    found = re.findall(r"^\w+_(?:cancelled|expired)_requests_total\{model=\"" + model + r"\"\} (\S+)$", text, re.M)
+    return sum(map(float, found))
 
 
 def overload(server, model: str, jpegs: list[bytes], rate: float, args) -> dict:
@@ -93,7 +95,7 @@ def overload(server, model: str, jpegs: list[bytes], rate: float, args) -> dict:
 
         return callback
 
-    before = cancelled_counter(server.settings.metrics_port, model)
+    before = stopped_counter(server.settings.metrics_port, model)
     probing = threading.Thread(target=prober, daemon=True)
     probing.start()
     timeout_us, sent = int(args.deadline_s * 1e6), 0
@@ -138,7 +140,7 @@ def overload(server, model: str, jpegs: list[bytes], rate: float, args) -> dict:
         "no_outcome": sent - len(outcomes),
         "p50_s": round(float(np.percentile(ok, 50)), 3) if ok else None,
         "p99_s": round(p99, 3) if p99 is not None else None,
-        "stopped_before_a_stage": cancelled_counter(server.settings.metrics_port, model) - before,
+        "stopped_before_a_stage": stopped_counter(server.settings.metrics_port, model) - before,
         "probes": len(probes),
         "probes_failed": [error for error in probes if error is not None][:5],
         "all_rejections_unavailable": set(refused) <= {"UNAVAILABLE"},

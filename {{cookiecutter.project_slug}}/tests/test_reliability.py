@@ -413,6 +413,37 @@ def test_a_request_its_client_cancels_goes_to_no_further_stage(own_server, max_b
 
 
 @local_server_only
+def test_a_request_past_its_deadline_while_a_stage_works_goes_to_no_further_stage(server, max_batch):
+    """A request whose deadline (its client's timeout) passes while a stage works on it is answered UNAVAILABLE
+    before the next stage, counted, and never reaches it: 2.51 checks a timeout only while a request waits in a
+    queue, so without the pipeline's own check it would be served on, late, to a client that has gone. Here the
+    stage is preprocess decoding large PNGs on the host, and the timeout half of what that takes."""
+    png = io.BytesIO()
+    Image.new("RGB", (6000, 4000), (90, 120, 150)).save(png, format="PNG")  # small on the wire, 24 M pixels to decode
+    images = image_input([png.getvalue()] * min(4, max_batch))
+    expired, reached = ("expired_requests", "pipeline"), ("nv_inference_request_success", "resnet")
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        started = time.monotonic()
+        client.infer("preprocess", [images], client_timeout=120)
+        took = time.monotonic() - started
+        if took < 0.2:
+            pytest.skip(f"preprocess decoded the PNGs in {took:.2f} s: too fast to time out within")
+        before = metrics(server)
+        started = time.monotonic()
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("pipeline", [images], timeout=int(took / 2 * 1e6), client_timeout=120)
+        answered = time.monotonic() - started
+        after = metrics(server)
+    message = info.value.message()
+    print(f"\npreprocess alone: {took:.2f} s; with a timeout of {took / 2:.2f} s, answered after {answered:.2f} s:")
+    print(message)
+    assert info.value.status() == "StatusCode.UNAVAILABLE", message
+    assert "Request timeout expired" in message and "before resnet" in message, message
+    assert after.get(expired, 0) == before.get(expired, 0) + 1, (before, after)
+    assert after.get(reached, 0) == before.get(reached, 0), "resnet served a request past its deadline"
+
+
+@local_server_only
 def test_hot_reload_of_the_pipeline_under_load_loses_no_request(own_server):
     """docs/customizing.md, recipe 4: a new pipeline version beside the running one, loaded with the admin key."""
     repo = own_server.settings.model_repository

@@ -34,6 +34,11 @@ class Cancelled(Exception):
     """A request whose client has cancelled it (or whose gRPC call has gone): answered CANCELLED, not served on."""
 
 
+class Expired(Exception):
+    """A request past its deadline (the timeout its client gave it): answered UNAVAILABLE in Triton's own words for
+    a request that waited past its timeout in a queue ("Request timeout expired"), not served on."""
+
+
 def to_triton(name: str, tensor: torch.Tensor) -> pb_utils.Tensor:
     """Hand a torch tensor to Triton without a copy. Passing the tensor itself (not a capsule) makes
     pb_utils synchronize torch's current CUDA stream, so the data is complete when the next stage reads it.
@@ -60,6 +65,9 @@ def error_response(exc: Exception) -> pb_utils.InferenceResponse:
     if isinstance(exc, Cancelled):
         COUNTERS.count("cancelled_requests")
         message, code = str(exc), pb_utils.TritonError.CANCELLED
+    elif isinstance(exc, Expired):
+        COUNTERS.count("expired_requests")
+        message, code = str(exc), pb_utils.TritonError.UNAVAILABLE
     elif isinstance(exc, StageError):
         message, code = str(exc), exc.code
     elif isinstance(exc, InvalidImage):

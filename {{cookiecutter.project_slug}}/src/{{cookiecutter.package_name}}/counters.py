@@ -11,8 +11,9 @@ class Counters:
     """The project's own counters in Triton's metrics (pb_utils.MetricFamily), beside its nv_inference_* ones, one
     series per model: `{{ cookiecutter.package_name }}_invalid_requests_total` (requests answered INVALID_ARGUMENT: a
     bad image, or a request over a cap), `..._host_decoded_images_total` (images over the GPU's decode budget,
-    decoded on the host), `..._given_up_requests_total` (requests the guard answered after a stage's stub died) and
-    `..._cancelled_requests_total`. Counted only on those events (each a message to the server); one per stub
+    decoded on the host), `..._given_up_requests_total` (requests the guard answered after a stage's stub died),
+    `..._cancelled_requests_total` and `..._expired_requests_total` (stopped before their next stage: cancelled by
+    their client, or past their deadline). Counted only on those events (each a message to the server); one per stub
     process (`COUNTERS`). Beside them a gauge, `..._watchdog_reloads`: how often `serve`'s watchdog has reloaded the
     model since it was loaded from the repository (a stub of it, or of a model it calls, died), which each new stub
     reads from its config (health.restart counts there) and sets."""
@@ -22,6 +23,7 @@ class Counters:
         "host_decoded_images": "Images over the GPU's decode budget, decoded and resized on the host",
         "given_up_requests": "Requests answered UNAVAILABLE by the guard after a called stage's stub died",
         "cancelled_requests": "Requests cancelled by their client, stopped before their next stage",
+        "expired_requests": "Requests past their client's timeout, answered UNAVAILABLE before their next stage",
     }
 
     def __init__(self):

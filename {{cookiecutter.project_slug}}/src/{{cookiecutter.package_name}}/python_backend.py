@@ -29,6 +29,7 @@ from .batches import (
     INVALID_INPUT,
     Batch,
     Cancelled,
+    Expired,
     StageError,
     batch_then_alone,
     error_response,
@@ -97,7 +98,8 @@ class Instance:
         self.called: set[str] = set()  # the models this instance has made BLS calls to
         self.guard = Guard()  # answers the requests of an execute whose BLS call will never return
         self.trace = None  # the trace of the batch being served (serve), its BLS calls its children
-        self.request_timeout_us = 0
+        self.deadlines: list[float | None] = []  # per request of the batch being served (serve): time.monotonic()
+        self.deadline: float | None = None  # the earliest of the requests still served: no BLS call waits longer
         COUNTERS.setup(self.name, self.parameters)
 
     def preprocess(self, parameters: dict[str, str] | None = None, dtype: torch.dtype | None = None) -> Preprocess:
@@ -153,15 +155,16 @@ class Instance:
         Results land in this instance's memory (GPU or CPU) through `preferred_memory`, or in host memory with
         `on_host`: for string outputs (with GPU preferred memory Triton puts them on the GPU too, where
         `as_numpy()` cannot read them) and for results that only go back to the client anyway.
-        `model_version` pins a version of the model (-1: the newest loaded one). A timeout a client gave a request
-        of the batch (`serve`) shortens `timeout_us`.
+        `model_version` pins a version of the model (-1: the newest loaded one). The time left to the earliest
+        deadline of the batch's requests still served (`serve`, `unless_gone`) shortens `timeout_us`.
         """
         self.bind()
         # The guard gives the call up past the model's own BLS timeout (plus 5 s), never a client's shorter one: that
         # bounds only the wait in the stage's queue, and a busy stage may run longer than it (overload, not death).
         deadline_s = timeout_us / 1e6 + 5 if timeout_us else None
-        if self.request_timeout_us:  # a client's deadline: the call carries it to the stage's queue
-            timeout_us = min(timeout_us or self.request_timeout_us, self.request_timeout_us)
+        if self.deadline is not None:  # a client's deadline: the call carries the time left to the stage's queue
+            left_us = max(1, int((self.deadline - time.monotonic()) * 1e6))
+            timeout_us = min(timeout_us or left_us, left_us)
         if model_name not in self.called:  # the first call to this model: is it in BLS_CALLS?
             self.called.add(model_name)
             if undeclared := undeclared_call(self.name, model_name):
@@ -185,17 +188,28 @@ class Instance:
             raise StageError(f"{model_name}: {message}", code)
         return {name: pb_utils.get_output_tensor_by_name(response, name) for name in outputs}
 
-    def unless_cancelled(self, batch: Batch, before: str) -> Batch:
-        """`batch` without the requests of this execute whose client has cancelled them: each answers CANCELLED
-        (counted) and goes no further. Call it before each stage (`request.is_cancelled()`: one message to the
-        server per request); Triton's queue already drops a request cancelled while it waits there, and 2.51 cannot
-        stop a BLS call in flight. Requests the guard has answered are not asked: 2.51 has released them."""
+    def unless_gone(self, batch: Batch, before: str) -> Batch:
+        """`batch` without the requests of this execute that nobody waits for any more: one whose client has
+        cancelled it answers CANCELLED, one past its deadline (the timeout its client gave it) answers UNAVAILABLE
+        ("Request timeout expired", as Triton's queues say it), each counted and served no further. Call it before
+        each stage after the first (`request.is_cancelled()`: one message to the server per request); Triton's queue
+        already drops a request cancelled or timed out while it waits there, and 2.51 cannot stop a BLS call in
+        flight. The next BLS call (`infer`) waits no longer than the earliest deadline left. Requests the guard has
+        answered are not asked: 2.51 has released them."""
         with self.guard.lock:
             if self.guard.answered or self.guard.requests is None:
                 return batch
-            served = [i for i, size in enumerate(batch.sizes) if not isinstance(size, Exception)]  # the rest: answered
-            gone = [i for i in served if self.guard.requests[i].is_cancelled()]
-        return batch.drop({i: Cancelled(f"cancelled by the client; stopped before {before}") for i in gone})
+            now, gone = time.monotonic(), {}
+            for i, size in enumerate(batch.sizes):
+                if isinstance(size, Exception):  # answered already
+                    continue
+                if self.guard.requests[i].is_cancelled():
+                    gone[i] = Cancelled(f"cancelled by the client; stopped before {before}")
+                elif (deadline := self.deadlines[i]) is not None and deadline <= now:
+                    gone[i] = Expired(f"Request timeout expired: past its timeout before {before}")
+            served = [i for i, size in enumerate(batch.sizes) if not isinstance(size, Exception) and i not in gone]
+            self.deadline = min((self.deadlines[i] for i in served if self.deadlines[i] is not None), default=None)
+        return batch.drop(gone)
 
     def serve(self, execute, requests: list) -> list | None:
         """`execute(requests)`: a BLS model's own execute, whose BLS calls (`infer`) block. Should one of them never
@@ -205,8 +219,11 @@ class Instance:
         # The BLS calls of this batch are traced as children of its first request (Triton's tracing for BLS): with
         # --trace-config on (serve --trace), one pipeline request shows its three stage calls beneath it.
         self.trace = requests[0].trace() if requests else None
-        # The shortest timeout a client gave a request of this batch (microseconds; 0: none): no BLS call waits longer.
-        self.request_timeout_us = min((t for request in requests if (t := request.timeout())), default=0)
+        # Each request's deadline, the timeout its client gave it (microseconds; 0: none) from now: 2.51 tells a model
+        # no request's arrival, so the wait in this model's own queue (bounded by the same timeout) is not counted.
+        now = time.monotonic()
+        self.deadlines = [now + t / 1e6 if (t := request.timeout()) else None for request in requests]
+        self.deadline = min((d for d in self.deadlines if d is not None), default=None)
         try:
             responses = execute(requests)
         except Exception:

@@ -3,7 +3,8 @@ handed from one to the next zero-copy with DLPack.
 
 All requests of one execute() make one batch: one BLS call to each model, in order. A request whose images fail
 to decode gets its own error; the rest are served (`Batch` in batches.py keeps the requests apart), and a
-request its client has cancelled is answered CANCELLED before the next stage instead of being served on. The
+request its client has cancelled is answered CANCELLED before the next stage instead of being served on, and one
+past its deadline (the timeout its client gave) UNAVAILABLE; each call waits no longer than the deadlines left. The
 calls block (`request.exec()`): each costs less than an awaited one, and `Instance.serve` answers the requests if
 a called model's stub dies under a call (python_backend.Guard). Edit the routing here: this is the file to make
 yours.
@@ -46,9 +47,9 @@ class TritonPythonModel:
         images = [pb_utils.get_input_tensor_by_name(request, "IMAGE") for request in requests]
         # one call; a bad image, or a request over a cap, fails its own request
         pixels = batch_then_alone(self.preprocess, images, check=lambda i: self.limits.check_bytes(bytes_of(i)))
-        pixels = self.instance.unless_cancelled(pixels, before="resnet")  # a client that has gone gets no more work
+        pixels = self.instance.unless_gone(pixels, before="resnet")  # cancelled or past its deadline: no more work
         logits = pixels.then(self.resnet)  # once for every request still served
-        logits = self.instance.unless_cancelled(logits, before="postprocess")
+        logits = self.instance.unless_gone(logits, before="postprocess")
         results = logits.then(self.postprocess)
         return split_responses(results.data, results.sizes)
 
