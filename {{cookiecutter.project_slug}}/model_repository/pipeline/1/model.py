@@ -2,12 +2,10 @@
 handed from one to the next zero-copy with DLPack.
 
 All requests of one execute() make one batch: one BLS call to each model, in order. A request whose images fail
-to decode gets its own error; the rest are served (`Batch` in batches.py keeps the requests apart), and a
-request its client has cancelled is answered CANCELLED before the next stage instead of being served on, and one
-past its deadline (the timeout its client gave) UNAVAILABLE; each call waits no longer than the deadlines left. The
-calls block (`request.exec()`): each costs less than an awaited one, and `Instance.serve` answers the requests if
-a called model's stub dies under a call (python_backend.Guard). Edit the routing here: this is the file to make
-yours.
+to decode gets its own error; the rest are served (`Batch` in batches.py keeps them apart). Before each later
+stage a request its client cancelled answers CANCELLED, one past its deadline UNAVAILABLE. The calls block
+(`request.exec()`, cheaper than awaited), and `Instance.serve` answers the requests if a called model's stub dies
+under a call (python_backend.Guard). Edit the routing here: this is the file to make yours.
 
 The parameters `preprocess` and `postprocess` (config.pbtxt) can run a stage's code in this process instead of
 calling its model ("in_process"): faster at low concurrency, at a cost in GPU memory and in what separate models
