@@ -42,9 +42,10 @@ def bench(out: Path, mode: str, dtype_name: str) -> dict:
     import torch
 
     from image_classifier import compiled
+    from image_classifier.model_repository import torch_dtype
     from image_classifier.stages import Classifier
 
-    dtype = {name: dtype for dtype, name in compiled.DTYPE_NAMES.items()}[dtype_name]
+    dtype = torch_dtype(dtype_name.upper())  # the project's one type table: fp16 is Triton's FP16
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     started = time.monotonic()
@@ -96,8 +97,9 @@ def model_bench(out: Path, mode: str, dtype_name: str) -> dict:
     import torch
 
     from image_classifier import compiled
+    from image_classifier.model_repository import torch_dtype
 
-    dtype = {name: dtype for dtype, name in compiled.DTYPE_NAMES.items()}[dtype_name]
+    dtype = torch_dtype(dtype_name.upper())  # the project's one type table: fp16 is Triton's FP16
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dynamic = mode == "dynamic"  # one graph for batch 1 and one for every other size (a symbolic batch)
