@@ -10,6 +10,7 @@
 #   "soak ARGS"       python -m benchmarks.soak (memory over a long mixed load)
 #   "stress ARGS"     python -m benchmarks.reload_stress (pipeline reloads under load, stubs killed; counts aborts)
 #   "budgets ARGS"    python -m benchmarks.budgets (serve with no flag beside a process holding all but N GiB)
+#   "overload ARGS"   python -m benchmarks.overload (each entry point at N x what it serves, deadlines, probe)
 #   "sh COMMAND"      a shell command in the baked project, e.g. a sed on model_repository/*/config.pbtxt
 #                     between two e2e steps (an instance-count sweep in one call)
 #   "probe FILE"      serve FILE (a probe pipeline model.py, relative to the template root, e.g.
@@ -43,6 +44,7 @@ for step in "$@"; do
     soak) "${limit[@]}" python -m benchmarks.soak "${words[@]:1}" --out "$work/soak" ;;
     stress) "${limit[@]}" python -m benchmarks.reload_stress "${words[@]:1}" --out "$work/stress" ;;
     budgets) "${limit[@]}" python -m benchmarks.budgets "${words[@]:1}" --out "$work/budgets" ;;
+    overload) "${limit[@]}" python -m benchmarks.overload "${words[@]:1}" --out "$work/overload" ;;
     sh) "${limit[@]}" bash -c "${step#*sh }" ;;
     probe)  # the shipped model.py stays beside it as shipped_model.py, for a probe that wraps it (phases_model.py)
       version=model_repository/pipeline/1
