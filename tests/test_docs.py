@@ -732,6 +732,31 @@ def cli_output_problems(project: Path) -> list[str]:
     return problems
 
 
+def kubernetes_problems(project: Path) -> list[str]:
+    """docs/kubernetes.md against deploy/kubernetes/: its tree names every manifest of base/, its startupProbe row
+    the probe's own budget, and every image it pushes or runs the tag compose builds (the project's version)."""
+    text = (project / "docs/kubernetes.md").read_text()
+    problems = []
+    tree = text.split("```text", 1)[1].split("```", 1)[0] if "```text" in text else ""
+    for manifest in sorted((project / "deploy/kubernetes/base").iterdir()):
+        if manifest.name not in tree:
+            problems.append(f"docs/kubernetes.md: its deploy/kubernetes/ tree lacks base/{manifest.name}")
+    deployment = next(yaml.safe_load_all((project / "deploy/kubernetes/base/deployment.yaml").read_text()))
+    (container,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if "startupProbe" in c]
+    probe = container["startupProbe"]
+    stated = re.findall(r"`startupProbe`[^|]*up to (\d+) x (\d+) s", text)
+    if stated != [(str(probe["failureThreshold"]), str(probe["periodSeconds"]))]:
+        problems.append(
+            f"docs/kubernetes.md: startupProbe stated as {stated}; deployment.yaml has "
+            f"{probe['failureThreshold']} x {probe['periodSeconds']} s"
+        )
+    version = re.search(r'^version = "([^"]+)"', (project / "pyproject.toml").read_text(), re.M).group(1)
+    for tag in sorted(set(re.findall(rf"registry\.example\.com/{re.escape(project.name)}:([\w.-]+)", text))):
+        if tag != version:
+            problems.append(f"docs/kubernetes.md: pushes or runs the image tagged {tag}; compose builds {version}")
+    return problems
+
+
 DEFAULT_CHECKS = {
     "instance counts": lambda project, readme: instance_count_problems(project, readme),
     "the pipeline's stage settings": lambda project, readme: stage_setting_problems(project, readme),
@@ -742,6 +767,7 @@ DEFAULT_CHECKS = {
     "restart counts": lambda project, readme: restart_problems(project, readme),
     "benchmark output files": lambda project, readme: output_file_problems(project),
     "CLI output": lambda project, readme: cli_output_problems(project),
+    "Kubernetes manifests": lambda project, readme: kubernetes_problems(project),
 }
 
 
@@ -868,4 +894,20 @@ def test_the_cli_output_check_catches_a_new_first_line_a_changed_column_and_top_
     assert any("serve's first line is 'instances: ...'" in f and "admin key ready" in f for f in found), found
     assert any(f.startswith("README.md: classify's columns (image, rank,") for f in found), found
     assert "README.md: classify prints the top-5; postprocess's SCORES has dims [3]" in found, found
+    assert len(found) == 3, found
+
+
+def test_the_kubernetes_check_catches_a_missing_manifest_a_shorter_probe_and_another_tag(default_project, tmp_path):
+    copy = altered_copy(
+        default_project,
+        tmp_path,
+        {"docs/kubernetes.md": ("up to 90 x 10 s", "up to 60 x 10 s")},
+    )
+    (copy / "deploy/kubernetes/base/limitrange.yaml").write_text("kind: LimitRange\n")
+    docs = copy / "docs/kubernetes.md"
+    docs.write_text(docs.read_text().replace(":0.1.0\n\ncd deploy", ":1.0\n\ncd deploy"))
+    found = kubernetes_problems(copy)
+    assert "docs/kubernetes.md: its deploy/kubernetes/ tree lacks base/limitrange.yaml" in found, found
+    assert any(f.startswith("docs/kubernetes.md: startupProbe stated as [('60', '10')]") for f in found), found
+    assert "docs/kubernetes.md: pushes or runs the image tagged 1.0; compose builds 0.1.0" in found, found
     assert len(found) == 3, found

@@ -222,9 +222,12 @@ def test_the_http_examples_in_the_docs_answer_as_grpc_does(server, tmp_path, mar
     done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     expected = outputs(infer(server.grpc_url, [image_input([image])]))
-    label, score = expected["LABELS"][0][0].decode(), float(expected["SCORES"][0][0])
+    want = {"SCORES": expected["SCORES"], "LABELS": np.array([[v.decode() for v in expected["LABELS"][0]]])}
     if marker == "http-curl":
         answer = {o["name"]: o["data"] for o in json.loads(done.stdout)["outputs"]}
-        assert answer["LABELS"][0] == label and abs(answer["SCORES"][0] - score) < 1e-5, answer
-    else:
-        assert label in done.stdout and f"{score:.4f}"[:5] in done.stdout, done.stdout
+        got = {"SCORES": np.array([answer["SCORES"]]), "LABELS": np.array([answer["LABELS"]])}
+    else:  # a line per class: "photocopier 0.8286"
+        rows = [line.rsplit(" ", 1) for line in done.stdout.splitlines()]
+        got = {"SCORES": np.array([[float(s) for _, s in rows]]), "LABELS": np.array([[label for label, _ in rows]])}
+    # the rule for two gRPC answers: on a GPU, several ResNet instances differ in the last digits
+    assert_same_answers(got, want, server.settings.model_repository)

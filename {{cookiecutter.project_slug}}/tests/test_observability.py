@@ -11,7 +11,7 @@ from conftest import image_input, infer, local_server_only, make_image, metrics
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
-from {{ cookiecutter.package_name }}.model_repository import BLS_CALLS
+from {{ cookiecutter.package_name }}.model_repository import BLS_CALLS, load_config
 from {{ cookiecutter.package_name }}.server import ServerSettings, TritonServer
 
 STAGES = ("preprocess", "resnet", "postprocess")  # the project's stages, whatever else the pipeline calls
@@ -48,9 +48,12 @@ def test_the_projects_counters_count_bad_requests_and_host_decodes(server):
 
 @local_server_only
 def test_a_traced_pipeline_request_has_its_three_stage_calls_as_children(model_repository, tmp_path):
-    """serve --trace FILE: Triton's own JSON traces, written as the server stops."""
+    """serve --trace FILE: Triton's own JSON traces, written as the server stops. Four pipeline instances at least,
+    so that 2.51's teardown (a second per instance) outlasts TEARDOWN_GRACE_S here too, as on a GPU at the configs'
+    counts: Triton writes the file only once the teardown is done."""
     trace = tmp_path / "trace.json"
-    settings = ServerSettings.on_free_ports(model_repository, trace=str(trace))
+    pipelines = max(4, load_config(model_repository / "pipeline").instance_group[0].count)
+    settings = ServerSettings.on_free_ports(model_repository, trace=str(trace), instance_counts={"pipeline": pipelines})
     with open(tmp_path / "tritonserver.log", "w") as log, TritonServer(settings, container=False, log=log) as triton:
         triton.wait_ready(600)
         infer(triton.grpc_url, [image_input([make_image(0), make_image(1)])])

@@ -170,7 +170,8 @@ def print_model_states(states: dict[str, str]) -> None:
     print("models:", ", ".join(f"{name} {state}" for name, state in states.items()), flush=True)
 
 
-# How long a drained server may take to exit on its own after SIGTERM before its teardown is ended (stop()).
+# How long a drained server may take to exit on its own after SIGTERM before its teardown is ended (stop()); one
+# that traces to a file gets its exit timeout, as Triton writes the file last.
 TEARDOWN_GRACE_S = 3
 
 
@@ -375,8 +376,11 @@ class TritonServer:
             return None if self.process is None else self.process.returncode
         drained = self.drain()
         self.process.send_signal(signal.SIGTERM)
+        # Triton writes a trace file once its teardown is done: a server tracing to one gets the whole of it.
+        traces_to_file = bool(self.settings.trace) and not self.settings.trace.startswith(("http://", "https://"))
+        grace = TEARDOWN_GRACE_S if drained and not traces_to_file else self.settings.exit_timeout_s + 15
         try:
-            return self.process.wait(TEARDOWN_GRACE_S if drained else self.settings.exit_timeout_s + 15)
+            return self.process.wait(grace)
         except subprocess.TimeoutExpired:
             stubs = stub_processes(self.process.pid)
             self.process.kill()
