@@ -3,6 +3,7 @@
 # loads its 18 stubs in well under a minute):
 #
 #   scripts/gpu_bake.sh                      # here: bake into .gpu-bake/ (fp16, the default answers otherwise)
+#   cp -r .gpu-extra /tmp/                   # there, in a call that carries only .gpu-extra (ruff, gevent wheels)
 #   scripts/gpu_suite.sh OUT 1               # there, from the template root, after `source .gpu-bundle/activate`
 #   scripts/gpu_suite.sh OUT 2               # the second call
 #   scripts/gpu_suite.sh OUT 3               # the third
@@ -48,10 +49,12 @@ for part in "${parts[@]}"; do [[ $part == [1234] ]] || customs=$((customs + 1));
 [[ $customs -le 1 ]] || { echo "$0: one test file or node id a call (they share suite-custom.*)" >&2; exit 2; }
 cd "$here/../.gpu-bake/image-classifier"
 pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || pip install -q --no-deps -e .
-if [[ -f ../bin/ruff.xz ]]; then  # gpu_bake.sh: ruff, for the recipes' lint checks
+extra=/tmp/.gpu-extra  # gpu_bake.sh: ruff for the recipes' lint checks, gevent for the HTTP example (a call before)
+if [[ -f $extra/ruff.xz ]]; then
   ruff=$(dirname "$(command -v python3)")/ruff
-  xz -dc ../bin/ruff.xz >"$ruff" && chmod +x "$ruff"
+  xz -dc "$extra/ruff.xz" >"$ruff" && chmod +x "$ruff"
 fi
+[[ -d $extra/wheels ]] && pip install -q --no-index --no-deps "$extra"/wheels/*.whl
 image-classifier weights random >/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 # The compiled ResNet (compiled.py): each fresh machine compiles it once for the suite's weights into its cache
