@@ -14,6 +14,6 @@ wheels=$(mktemp -d)
 unzip -p "$wheels"/ruff-*.whl '*/scripts/ruff' | xz -9 -T0 >.gpu-extra/ruff.xz
 rm -rf "$wheels"
 .venv/bin/pip download -q --only-binary :all: --python-version 3.12 --platform manylinux2014_x86_64 \
-  --platform manylinux_2_28_x86_64 -d .gpu-extra/wheels gevent geventhttpclient python-rapidjson
+  --platform manylinux_2_28_x86_64 -d .gpu-extra/wheels gevent geventhttpclient python-rapidjson urllib3
 git rev-parse --short HEAD >.gpu-bake/COMMIT
 git diff --quiet HEAD -- . ':!.gpu-bake' ':!.gpu-extra' || echo "$(cat .gpu-bake/COMMIT)+changes" >.gpu-bake/COMMIT
