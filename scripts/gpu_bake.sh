@@ -5,8 +5,8 @@ cd "$(dirname "$0")/.."
 rm -rf .gpu-bake
 .venv/bin/cookiecutter --no-input -o .gpu-bake . "$@"  # the default precision (fp16)
 # What the device lacks and the bundle, the bake and the tree leave no room for in one carry (64 MiB): ruff for the
-# customizing recipes' lint checks (its binary alone, xz-compressed) and tritonclient[http]'s wheels (gevent, rapidjson: for
-# the HTTP example test), into .gpu-extra/ (git-ignored). Carry it alone first, to a machine that stays warm:
+# customizing recipes' lint checks (its binary alone, xz-compressed) and tritonclient[http]'s wheels (gevent,
+# rapidjson: for the HTTP example test), into .gpu-extra/ (git-ignored). Carry it alone first, to a machine that stays warm:
 #   run(carry=[".gpu-extra"], command="cp -r .gpu-extra /tmp/")     # then the suite's calls find /tmp/.gpu-extra
 rm -rf .gpu-extra && mkdir -p .gpu-extra/wheels
 wheels=$(mktemp -d)

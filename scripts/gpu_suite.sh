@@ -17,11 +17,11 @@
 # file, so a new one is never left out (part 3 held them all until, at 140 tests, it outran a call). A test file or
 # node id of the baked project (relative to its root, e.g. tests/test_customizing.py) instead of a part number runs
 # just that (suite-custom.*). Each part stops like a Ctrl-C at SUITE_LIMIT_S after this script started (default
-# 540 s, the install and the compile included, so that a call of 598 s has room to stop the servers and write) and writes OUT/suite-N.xml (JUnit, with each test's output) and
-# OUT/suite-N.log (pytest -v -rs, the servers' logs on failure), and OUT/stubs.log: the stubs per model and the GPU's
-# processes, once a second. `OUT 1 2` runs both side by side in one call, but on one H200 at the shipped counts that
-# ran out of GPU resources (servers of both parts loading at once: "unable to create stream: out of memory"), so run
-# one part per call there.
+# 540 s, the install and the compile included, so that a call of 598 s has room to stop the servers and write) and
+# writes OUT/suite-N.xml (JUnit, with each test's output) and OUT/suite-N.log (pytest -v -rs, the servers' logs on
+# failure), and OUT/stubs.log: the stubs per model and the GPU's processes, once a second. `OUT 1 2` runs both side
+# by side in one call, but on one H200 at the shipped counts that ran out of GPU resources (servers of both parts
+# loading at once: "unable to create stream: out of memory"), so run one part per call there.
 set -uo pipefail
 here=$(realpath "$(dirname "$0")")
 if [[ ${1:-} == --merge ]]; then

@@ -45,6 +45,13 @@ def image_input(jpeg: bytes):
     return tensor
 
 
+def spawned(processes: int) -> ProcessPoolExecutor:
+    """A pool of client processes, spawned, not forked: this process has used gRPC, which a forked child cannot."""
+    import multiprocessing
+
+    return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+
+
 def closed_loop(url: str, model: str, jpegs: list[bytes], clients: int, seconds: float) -> tuple[int, float]:
     """One process's part of capacity(): `clients` closed-loop clients of one image each; (requests answered,
     seconds taken)."""
@@ -69,11 +76,8 @@ def closed_loop(url: str, model: str, jpegs: list[bytes], clients: int, seconds:
 def capacity(url: str, model: str, jpegs: list[bytes], concurrency: int, seconds: float, senders: int) -> float:
     """Requests a second that `model` answers from `concurrency` closed-loop clients of one image each, spread over
     `senders` processes."""
-    import multiprocessing
-
     shares = [concurrency // senders + (i < concurrency % senders) for i in range(senders)]
-    # spawn, not fork: this process has used gRPC, which a forked child cannot
-    with ProcessPoolExecutor(senders, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with spawned(senders) as pool:
         parts = list(pool.map(closed_loop, *zip(*[(url, model, jpegs, n, seconds) for n in shares if n])))
     return sum(n for n, _ in parts) / max(taken for _, taken in parts)
 
@@ -133,8 +137,6 @@ def send(url: str, model: str, jpegs: list[bytes], rate: float, args, first: int
 def overload(server, model: str, jpegs: list[bytes], rate: float, args) -> dict:
     """`rate` requests a second at `model` for args.seconds from args.senders processes (one Python client sends
     about 2,000 a second, less than a GPU serves); the outcome of each, and the probe's."""
-    import multiprocessing
-
     from {{ cookiecutter.package_name }}.health import busy, probe
 
     url = server.grpc_url
@@ -149,8 +151,7 @@ def overload(server, model: str, jpegs: list[bytes], rate: float, args) -> dict:
     before = stopped_counter(server.settings.metrics_port, model)
     probing = threading.Thread(target=prober, daemon=True)
     probing.start()
-    # spawn, not fork: this process has used gRPC, which a forked child cannot
-    with ProcessPoolExecutor(args.senders, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with spawned(args.senders) as pool:
         parts = [pool.submit(send, url, model, jpegs, rate / args.senders, args, i) for i in range(args.senders)]
         parts = [part.result() for part in parts]
     stop.set()

@@ -148,13 +148,18 @@ def server_flags(settings: ServerSettings) -> list[str]:
     return flags
 
 
+def to_collector(trace: str) -> bool:
+    """Whether `serve --trace` names an OpenTelemetry collector (an http:// URL) rather than a file."""
+    return trace.startswith(("http://", "https://"))
+
+
 def trace_flags(trace: str | None, rate: int = 1) -> list[str]:
     """Tracing of every `rate`-th request, the BLS calls of a pipeline request its children (python_backend.py):
     to an OpenTelemetry collector (`trace`: its http:// URL), or as Triton's JSON to a file (written as the server
     stops); none when `trace` is None."""
     if not trace:
         return []
-    if trace.startswith(("http://", "https://")):
+    if to_collector(trace):
         where = [
             "--trace-config=mode=opentelemetry",
             f"--trace-config=opentelemetry,url={trace}",
@@ -377,7 +382,7 @@ class TritonServer:
         drained = self.drain()
         self.process.send_signal(signal.SIGTERM)
         # Triton writes a trace file once its teardown is done: a server tracing to one gets the whole of it.
-        traces_to_file = bool(self.settings.trace) and not self.settings.trace.startswith(("http://", "https://"))
+        traces_to_file = bool(self.settings.trace) and not to_collector(self.settings.trace)
         grace = TEARDOWN_GRACE_S if drained and not traces_to_file else self.settings.exit_timeout_s + 15
         try:
             return self.process.wait(grace)
@@ -389,7 +394,7 @@ class TritonServer:
                     os.kill(pid, signal.SIGKILL)
             code = self.process.wait(30)  # SIGKILLed: reaped at once
             if drained and hasattr(self.log, "write"):
-                self.log.write(f"drained; ended the teardown after {TEARDOWN_GRACE_S} s ({len(stubs)} stubs left)\n")
+                self.log.write(f"drained; ended the teardown after {grace} s ({len(stubs)} stubs left)\n")
                 self.log.flush()
             return 0 if drained else code
         finally:
